@@ -1,0 +1,153 @@
+"""Typed configuration. Each field names the environment variable that sets it.
+
+URLs choose the backends (DESIGN §6); backend-specific options travel in the URL's query
+string (``s3://bucket/prefix?endpoint_url=…&region=…``) so one string configures a worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from .errors import ConfigError
+
+log = logging.getLogger("kvcloud")
+
+# Used when KVCLOUD_SECRET is unset, so a laptop demo works; logged loudly because with it
+# anyone can compute anyone's fingerprints.
+INSECURE_DEFAULT_SECRET = b"kvcloud-insecure-default-secret"
+_SECRET_QUERY_KEYS = {"password", "secret", "token", "aws_secret_access_key", "secret_key", "key"}
+
+
+def default_home() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvcloud"
+
+
+def default_store_url() -> str:
+    return f"file://{default_home() / 'objects'}"
+
+
+def default_index_url() -> str:
+    return f"sqlite://{default_home() / 'index.db'}"
+
+
+def redact_url(url: str) -> str:
+    """The URL with password and secret-looking query values replaced by ``***``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable url>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        user = userinfo.split(":", 1)[0]
+        netloc = f"{user}:***@{host}" if ":" in userinfo else f"***@{host}"
+    query = urlencode(
+        [
+            (k, "***" if k.lower() in _SECRET_QUERY_KEYS else v)
+            for k, v in parse_qsl(parts.query, keep_blank_values=True)
+        ],
+        safe="/:",
+    )
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def _env_bool(value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"expected a boolean, got {value!r}")
+
+
+@dataclass
+class KVCloudConfig:
+    """Client configuration. ``from_env`` reads the variable named in each field's metadata."""
+
+    store: str = field(default_factory=default_store_url, metadata={"env": "KVCLOUD_STORE"})
+    """Object store URL: ``s3://bucket/prefix?endpoint_url=…&region=…`` or ``file:///path``."""
+
+    index: str = field(default_factory=default_index_url, metadata={"env": "KVCLOUD_INDEX"})
+    """Index URL: ``redis://host:6379/0``, ``rediss://…`` or ``sqlite:///path/index.db``."""
+
+    secret: bytes = field(default=INSECURE_DEFAULT_SECRET, repr=False,
+                          metadata={"env": "KVCLOUD_SECRET"})
+    """Master secret from which tenant keys are derived. Set it in production."""
+
+    tenant: str = field(default="default", metadata={"env": "KVCLOUD_TENANT"})
+    """Tenant used when a call does not name one."""
+
+    codec: str = field(default="raw", metadata={"env": "KVCLOUD_CODEC"})
+    """Codec for new segments: raw, zstd or lz4 (all lossless)."""
+
+    ttl_seconds: int = field(default=7 * 24 * 3600, metadata={"env": "KVCLOUD_TTL_SECONDS"})
+    """Index entry lifetime after its last hit (sliding)."""
+
+    max_connections: int = field(default=16, metadata={"env": "KVCLOUD_MAX_CONNECTIONS"})
+    """Parallel transfers per client, and the HTTP connection pool size that matches it."""
+
+    connect_timeout: float = field(default=2.0, metadata={"env": "KVCLOUD_CONNECT_TIMEOUT"})
+    """Seconds to establish a connection to the store or index."""
+
+    read_timeout: float = field(default=10.0, metadata={"env": "KVCLOUD_READ_TIMEOUT"})
+    """Seconds to wait for a response once connected."""
+
+    fsync: bool = field(default=False, metadata={"env": "KVCLOUD_FSYNC"})
+    """file:// store: fsync objects and their directory before an entry is written."""
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> KVCloudConfig:
+        env = dict(os.environ if env is None else env)
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            name = f.metadata.get("env")
+            if name and env.get(name):
+                raw = env[name]
+                try:
+                    if f.name == "secret":
+                        values[f.name] = raw.encode("utf-8")
+                    elif f.type in ("int", int):
+                        values[f.name] = int(raw)
+                    elif f.type in ("float", float):
+                        values[f.name] = float(raw)
+                    elif f.type in ("bool", bool):
+                        values[f.name] = _env_bool(raw)
+                    else:
+                        values[f.name] = raw
+                except ValueError as exc:
+                    raise ConfigError(f"{name}: {exc}") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.secret, str):
+            self.secret = self.secret.encode("utf-8")
+        if not self.secret:
+            raise ConfigError("KVCLOUD_SECRET must not be empty")
+        if self.codec not in ("raw", "zstd", "lz4"):
+            raise ConfigError(f"KVCLOUD_CODEC: unknown codec {self.codec!r}")
+        if self.ttl_seconds <= 0:
+            raise ConfigError("KVCLOUD_TTL_SECONDS must be positive")
+        if self.max_connections <= 0:
+            raise ConfigError("KVCLOUD_MAX_CONNECTIONS must be positive")
+
+    @property
+    def insecure_secret(self) -> bool:
+        return self.secret == INSECURE_DEFAULT_SECRET
+
+
+def split_url(url: str) -> tuple[str, str, str, dict[str, str]]:
+    """(scheme, netloc, path, query options) with a clear error for garbage."""
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise ConfigError(f"malformed URL {redact_url(url)!r}: {exc}") from None
+    if not parts.scheme:
+        raise ConfigError(f"URL {redact_url(url)!r} has no scheme (file://, s3://, redis://, …)")
+    return parts.scheme.lower(), parts.netloc, parts.path, dict(parse_qsl(parts.query))

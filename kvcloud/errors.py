@@ -1,0 +1,106 @@
+"""The exception hierarchy. Every error kvcloud raises on purpose derives from KVCloudError.
+
+Callers on the inference path mostly never see these: the client turns corrupt or missing
+objects into misses. They surface from the low-level APIs (segment decoding, stores, indexes)
+and from configuration mistakes, where failing loudly is the right thing to do.
+"""
+
+from __future__ import annotations
+
+
+class KVCloudError(Exception):
+    """Root of every error raised by kvcloud."""
+
+
+class ConfigError(KVCloudError, ValueError):
+    """A URL, option or environment variable is malformed or inconsistent."""
+
+
+class LayoutError(KVCloudError, ValueError):
+    """An array's shape or dtype does not match the namespace it is used with."""
+
+
+# --- object format -------------------------------------------------------------------------
+
+
+class CorruptObjectError(KVCloudError):
+    """A stored object failed verification. The client treats this as a miss."""
+
+
+class BadMagicError(CorruptObjectError):
+    """The object does not start with the kvcloud magic bytes."""
+
+
+class UnsupportedVersionError(CorruptObjectError):
+    """The object was written by a format version this build cannot read."""
+
+
+class TruncatedObjectError(CorruptObjectError):
+    """Declared lengths disagree with the real size of the object."""
+
+
+class MalformedHeaderError(CorruptObjectError):
+    """The header is not a well-formed msgpack map with the expected fields and types."""
+
+
+class DigestMismatchError(CorruptObjectError):
+    """The object's bytes do not hash to the key it was stored under."""
+
+
+class HeaderMismatchError(CorruptObjectError):
+    """A valid object, but for another namespace, fingerprint, length or layout."""
+
+
+class CodecError(CorruptObjectError):
+    """The payload could not be decompressed (or decrypted) to the declared size."""
+
+
+# --- backends --------------------------------------------------------------------------------
+
+
+class StoreError(KVCloudError):
+    """An object-store operation failed."""
+
+
+class ObjectNotFoundError(StoreError):
+    """The object does not exist in the store."""
+
+
+class StoreUnavailableError(StoreError):
+    """The store could not be reached or kept failing after retries."""
+
+
+class IndexBackendError(KVCloudError):
+    """An index operation failed. (Not named IndexError, to keep the builtin usable.)"""
+
+
+class IndexUnavailableError(IndexBackendError):
+    """The index could not be reached or timed out."""
+
+
+class SessionNotFoundError(KVCloudError, KeyError):
+    """No session record exists for this tenant and session id."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "session not found"
+
+
+__all__ = [
+    "BadMagicError",
+    "CodecError",
+    "ConfigError",
+    "CorruptObjectError",
+    "DigestMismatchError",
+    "HeaderMismatchError",
+    "IndexBackendError",
+    "IndexUnavailableError",
+    "KVCloudError",
+    "LayoutError",
+    "MalformedHeaderError",
+    "ObjectNotFoundError",
+    "SessionNotFoundError",
+    "StoreError",
+    "StoreUnavailableError",
+    "TruncatedObjectError",
+    "UnsupportedVersionError",
+]

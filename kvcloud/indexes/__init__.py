@@ -1,0 +1,1 @@
+"""Indexes, chosen by URL (see open_index)."""

@@ -1,0 +1,133 @@
+"""The index interface. Every backend implements it and passes tests/contracts."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+import msgpack
+
+DEFAULT_TTL_SECONDS = 7 * 24 * 3600
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """What the index knows about one (namespace, fingerprint)."""
+
+    object_key: str  # store-relative key of the segment object
+    n_tokens: int
+    size: int  # bytes of the stored object
+    created: float  # unix seconds when first registered
+
+    def pack(self) -> bytes:
+        return msgpack.packb([self.object_key, self.n_tokens, self.size, self.created])
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> IndexEntry:
+        key, n, size, created = msgpack.unpackb(raw)
+        return cls(object_key=key, n_tokens=int(n), size=int(size), created=float(created))
+
+
+@dataclass(frozen=True)
+class EntryRecord:
+    """An entry as listed by ``iter_entries`` (for stats, ls, verify and gc)."""
+
+    ns: str
+    fp: str  # hex
+    entry: IndexEntry
+    expires_at: float | None  # unix seconds, None if it never expires
+
+
+class Index(ABC):
+    """Prefix-fingerprint → object-key entries, session records and counters.
+
+    ``ns`` is a namespace id and ``fp`` a fingerprint in hex. Entries expire ``ttl`` seconds
+    after their last hit (sliding). Implementations must be thread-safe.
+    """
+
+    #: URL with any password removed, safe to log and print
+    url: str = ""
+
+    def __init__(self, ttl_seconds: int = DEFAULT_TTL_SECONDS) -> None:
+        self.ttl_seconds = int(ttl_seconds)
+
+    @abstractmethod
+    def register(self, ns: str, fp: str, entry: IndexEntry) -> bool:
+        """Create the entry unless one exists (SET NX). True if created now.
+
+        Call only after the object is durably stored (invariant 1).
+        """
+
+    @abstractmethod
+    def lookup(
+        self, ns: str, fps: Sequence[str], counters: Mapping[str, int] | None = None
+    ) -> list[IndexEntry | None]:
+        """Entries for every fp, in order, in ONE round trip; hits get their TTL renewed.
+
+        ``counters`` are increments applied in the same round trip (so statistics cost no
+        extra latency on the request path).
+        """
+
+    @abstractmethod
+    def drop(self, ns: str, fp: str, object_key: str | None = None) -> bool:
+        """Delete the entry (only if it still points at ``object_key``, when given)."""
+
+    @abstractmethod
+    def iter_entries(self, ns: str | None = None) -> Iterator[EntryRecord]:
+        """Every live entry (optionally of one namespace), in no particular order."""
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def put_session(
+        self, scope: str, session_id: str, record: bytes, ttl_seconds: int | None = None
+    ) -> None:
+        """Write (replace) a session record. ``scope`` isolates tenants."""
+
+    @abstractmethod
+    def get_session(self, scope: str, session_id: str) -> bytes | None:
+        """The record, or None."""
+
+    @abstractmethod
+    def delete_session(self, scope: str, session_id: str) -> bool:
+        """Remove a record; True if it existed."""
+
+    @abstractmethod
+    def iter_sessions(self) -> Iterator[tuple[str, str, bytes]]:
+        """Every (scope, session_id, record), for gc reachability."""
+
+    # -- counters and health ----------------------------------------------------------------
+
+    @abstractmethod
+    def incr(self, counters: Mapping[str, int]) -> None:
+        """Add to named counters (hits, misses, bytes_pulled, ...)."""
+
+    @abstractmethod
+    def counters(self) -> dict[str, int]:
+        """Current value of every counter."""
+
+    @abstractmethod
+    def ping(self) -> float:
+        """One round trip; returns its latency in seconds. Raises IndexUnavailableError."""
+
+    def count_entries(self, ns: str | None = None) -> int:
+        return sum(1 for _ in self.iter_entries(ns))
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""
+
+    def __enter__(self) -> Index:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"

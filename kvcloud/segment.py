@@ -1,0 +1,340 @@
+"""The segment object format (DESIGN §5) and its codecs.
+
+    b"KVC1" | u32 header_len (LE) | header (msgpack map) | payload
+
+The object key is the BLAKE2b-256 digest of the whole object, so identical content always
+lands on the same key and a flipped bit anywhere is caught by the digest. Decoding treats its
+input as hostile: every declared length is checked against the real size and against the
+namespace before anything is allocated, and every failure is a CorruptObjectError subclass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import lz4.block
+import msgpack
+import numpy as np
+import zstandard
+
+from .errors import (
+    BadMagicError,
+    CodecError,
+    ConfigError,
+    DigestMismatchError,
+    HeaderMismatchError,
+    LayoutError,
+    MalformedHeaderError,
+    TruncatedObjectError,
+    UnsupportedVersionError,
+)
+from .namespace import DTYPES, FP_BYTES, Namespace
+
+MAGIC = b"KVC1"
+SEGMENT_VERSION = 1
+CODECS = ("raw", "zstd", "lz4")
+DIGEST_HEX_LEN = 64
+MAX_HEADER_LEN = 64 * 1024
+# Without a namespace to bound it, no segment may claim to decode to more than this.
+MAX_RAW_LEN = 1 << 31
+_PREFIX = struct.Struct("<4sI")
+
+
+def content_digest(data: bytes | bytearray | memoryview) -> str:
+    return hashlib.blake2b(data, digest_size=32).hexdigest()
+
+
+def object_key(ns_id: str, digest: str) -> str:
+    """Store-relative key: ``<ns>/<d[:2]>/<d>``; stores add their own prefix."""
+    return f"{ns_id}/{digest[:2]}/{digest}"
+
+
+def digest_from_key(key: str) -> str:
+    return key.rsplit("/", 1)[-1]
+
+
+@dataclass(frozen=True)
+class SegmentHeader:
+    version: int
+    ns: str
+    fp: bytes
+    parent: bytes
+    n_tokens: int
+    layout: tuple[int, int, int]
+    dtype: str
+    codec: str
+    raw_len: int
+    payload_len: int
+    encryption: dict[str, Any]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        layers, heads, dim = self.layout
+        return (layers, 2, self.n_tokens, heads, dim)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "ns": self.ns,
+            "fp": self.fp.hex(),
+            "parent": self.parent.hex(),
+            "n_tokens": self.n_tokens,
+            "layout": list(self.layout),
+            "dtype": self.dtype,
+            "codec": self.codec,
+            "raw_len": self.raw_len,
+            "payload_len": self.payload_len,
+            "encryption": dict(self.encryption),
+        }
+
+
+@dataclass(frozen=True)
+class EncodedSegment:
+    digest: str
+    data: bytes | bytearray
+    header: SegmentHeader
+
+    def key(self) -> str:
+        return object_key(self.header.ns, self.digest)
+
+
+# --- encoding --------------------------------------------------------------------------------
+
+
+def _pack_header(h: dict[str, Any]) -> bytes:
+    return msgpack.packb(h, use_bin_type=True)
+
+
+def encode_segment(
+    ns: Namespace,
+    fp: bytes,
+    parent: bytes,
+    kv: np.ndarray,
+    codec: str = "raw",
+    level: int | None = None,
+) -> EncodedSegment:
+    """Encode one segment ``[layers, 2, n_tokens, kv_heads, head_dim]`` into object bytes."""
+    if codec not in CODECS:
+        raise ConfigError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
+    if len(fp) != FP_BYTES or len(parent) != FP_BYTES:
+        raise LayoutError("fingerprints must be 32 bytes")
+    kv = ns.check_array(kv)
+    n_tokens = kv.shape[2]
+    if not 0 < n_tokens <= ns.chunk_tokens:
+        raise LayoutError(f"a segment holds 1..{ns.chunk_tokens} tokens, got {n_tokens}")
+    raw_len = n_tokens * ns.bytes_per_token
+    header: dict[str, Any] = {
+        "v": SEGMENT_VERSION,
+        "ns": ns.id,
+        "fp": bytes(fp),
+        "parent": bytes(parent),
+        "n": n_tokens,
+        "layout": list(ns.layout),
+        "dtype": ns.dtype,
+        "codec": codec,
+        "raw_len": raw_len,
+        "payload_len": 0,
+        "enc": {"alg": "none"},
+    }
+    if codec == "raw":
+        header["payload_len"] = raw_len
+        hbytes = _pack_header(header)
+        buf = bytearray(_PREFIX.size + len(hbytes) + raw_len)
+        _PREFIX.pack_into(buf, 0, MAGIC, len(hbytes))
+        buf[_PREFIX.size : _PREFIX.size + len(hbytes)] = hbytes
+        # one copy: the (possibly strided) chunk lands straight in the object buffer
+        dst = np.ndarray(kv.shape, dtype=kv.dtype, buffer=buf, offset=_PREFIX.size + len(hbytes))
+        dst[...] = kv
+        data: bytes | bytearray = buf  # stores accept any buffer; no extra copy
+    else:
+        contiguous = np.ascontiguousarray(kv)
+        if codec == "zstd":
+            payload = zstandard.ZstdCompressor(
+                level=3 if level is None else level, write_content_size=True
+            ).compress(memoryview(contiguous).cast("B"))
+        else:
+            payload = lz4.block.compress(memoryview(contiguous).cast("B"), store_size=False)
+        header["payload_len"] = len(payload)
+        hbytes = _pack_header(header)
+        data = b"".join([_PREFIX.pack(MAGIC, len(hbytes)), hbytes, payload])
+    digest = content_digest(data)
+    return EncodedSegment(digest=digest, data=data, header=_parse_header(header))
+
+
+# --- decoding --------------------------------------------------------------------------------
+
+
+def _field(h: dict[str, Any], name: str, kind: type) -> Any:
+    if name not in h:
+        raise MalformedHeaderError(f"header lacks field {name!r}")
+    value = h[name]
+    # bool is an int subclass; a header saying n=True is malformed, not 1
+    if type(value) is not kind:
+        raise MalformedHeaderError(f"header field {name!r} has type {type(value).__name__}")
+    return value
+
+
+def _parse_header(h: Any) -> SegmentHeader:
+    if not isinstance(h, dict):
+        raise MalformedHeaderError("header is not a map")
+    version = _field(h, "v", int)
+    if version != SEGMENT_VERSION:
+        raise UnsupportedVersionError(f"segment format version {version} is not supported")
+    ns = _field(h, "ns", str)
+    fp = _field(h, "fp", bytes)
+    parent = _field(h, "parent", bytes)
+    if len(fp) != FP_BYTES or len(parent) != FP_BYTES:
+        raise MalformedHeaderError("fingerprints in the header must be 32 bytes")
+    n_tokens = _field(h, "n", int)
+    layout = _field(h, "layout", list)
+    if len(layout) != 3 or any(type(x) is not int or not 0 < x < 1 << 20 for x in layout):
+        raise MalformedHeaderError("layout must be three positive ints")
+    dtype = _field(h, "dtype", str)
+    if dtype not in DTYPES:
+        raise MalformedHeaderError(f"unknown dtype {dtype!r}")
+    codec = _field(h, "codec", str)
+    if codec not in CODECS:
+        raise MalformedHeaderError(f"unknown codec {codec!r}")
+    raw_len = _field(h, "raw_len", int)
+    payload_len = _field(h, "payload_len", int)
+    enc = _field(h, "enc", dict)
+    if enc.get("alg") != "none":
+        raise CodecError(f"unsupported encryption {enc.get('alg')!r}")
+    if not 0 < n_tokens < 1 << 24:
+        raise MalformedHeaderError(f"n_tokens {n_tokens} out of range")
+    layers, heads, dim = layout
+    expected_raw = layers * 2 * n_tokens * heads * dim * DTYPES[dtype].itemsize
+    if raw_len != expected_raw:
+        raise MalformedHeaderError(f"raw_len {raw_len} disagrees with shape ({expected_raw})")
+    if not 0 <= payload_len <= MAX_RAW_LEN or raw_len > MAX_RAW_LEN:
+        raise MalformedHeaderError("declared lengths out of range")
+    if codec == "raw" and payload_len != raw_len:
+        raise MalformedHeaderError("raw payload length must equal raw_len")
+    return SegmentHeader(
+        version=version,
+        ns=ns,
+        fp=fp,
+        parent=parent,
+        n_tokens=n_tokens,
+        layout=(layers, heads, dim),
+        dtype=dtype,
+        codec=codec,
+        raw_len=raw_len,
+        payload_len=payload_len,
+        encryption=dict(enc),
+    )
+
+
+def read_header(data: bytes | bytearray | memoryview) -> tuple[SegmentHeader, int]:
+    """Parse and validate the header; return it and the payload offset. Does not hash."""
+    view = memoryview(data).cast("B")
+    if len(view) < _PREFIX.size:
+        raise TruncatedObjectError(f"object is {len(view)} bytes, shorter than its prefix")
+    magic, header_len = _PREFIX.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise BadMagicError(f"bad magic {bytes(magic)!r}")
+    if header_len > MAX_HEADER_LEN:
+        raise MalformedHeaderError(f"header length {header_len} exceeds {MAX_HEADER_LEN}")
+    if _PREFIX.size + header_len > len(view):
+        raise TruncatedObjectError("header runs past the end of the object")
+    raw_header = view[_PREFIX.size : _PREFIX.size + header_len]
+    try:
+        # msgpack bounds every container by the buffer size, so a lying length cannot
+        # allocate more than the header itself.
+        h = msgpack.unpackb(raw_header, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises a zoo of types on garbage; all mean the same
+        raise MalformedHeaderError(f"header is not valid msgpack: {exc}") from None
+    header = _parse_header(h)
+    offset = _PREFIX.size + header_len
+    if len(view) - offset != header.payload_len:
+        raise TruncatedObjectError(
+            f"payload is {len(view) - offset} bytes, header declares {header.payload_len}"
+        )
+    return header, offset
+
+
+def check_header(
+    header: SegmentHeader,
+    ns: Namespace | None = None,
+    fp: bytes | None = None,
+    parent: bytes | None = None,
+    n_tokens: int | None = None,
+) -> None:
+    """A well-formed object can still be the wrong one (swapped out of band): compare."""
+    if ns is not None:
+        if header.ns != ns.id:
+            raise HeaderMismatchError(f"object belongs to namespace {header.ns}, not {ns.id}")
+        if header.layout != ns.layout or header.dtype != ns.dtype:
+            raise HeaderMismatchError("object layout or dtype differs from the namespace")
+        if header.n_tokens > ns.chunk_tokens:
+            raise HeaderMismatchError("object holds more tokens than a chunk")
+    if fp is not None and header.fp != fp:
+        raise HeaderMismatchError("object fingerprint differs from the one asked for")
+    if parent is not None and header.parent != parent:
+        raise HeaderMismatchError("object parent fingerprint breaks the chain")
+    if n_tokens is not None and header.n_tokens != n_tokens:
+        raise HeaderMismatchError(f"object holds {header.n_tokens} tokens, expected {n_tokens}")
+
+
+def _decompress(header: SegmentHeader, payload: memoryview) -> bytes | memoryview:
+    if header.codec == "raw":
+        return payload
+    try:
+        if header.codec == "zstd":
+            declared = zstandard.frame_content_size(payload)
+            if declared != header.raw_len:
+                raise CodecError(f"zstd frame declares {declared} bytes, header {header.raw_len}")
+            out = zstandard.ZstdDecompressor().decompress(
+                payload, max_output_size=header.raw_len, allow_extra_data=False
+            )
+        else:
+            out = lz4.block.decompress(payload, uncompressed_size=header.raw_len)
+    except CodecError:
+        raise
+    except Exception as exc:
+        raise CodecError(f"{header.codec} payload does not decode: {exc}") from None
+    if len(out) != header.raw_len:
+        raise CodecError(f"payload decodes to {len(out)} bytes, expected {header.raw_len}")
+    return out
+
+
+@dataclass(frozen=True)
+class DecodedSegment:
+    header: SegmentHeader
+    array: np.ndarray
+
+
+def decode_segment(
+    data: bytes | bytearray | memoryview,
+    *,
+    digest: str | None = None,
+    ns: Namespace | None = None,
+    fp: bytes | None = None,
+    parent: bytes | None = None,
+    n_tokens: int | None = None,
+    out: np.ndarray | None = None,
+) -> DecodedSegment:
+    """Verify and decode an object. With ``out``, the KV is copied into it and it is returned.
+
+    ``digest`` is the expected content digest (the key's last component); give it whenever the
+    bytes came from a store. The other arguments say what the caller asked for.
+    """
+    view = memoryview(data).cast("B")
+    if digest is not None and content_digest(view) != digest:
+        raise DigestMismatchError("object bytes do not match their content address")
+    header, offset = read_header(view)
+    check_header(header, ns=ns, fp=fp, parent=parent, n_tokens=n_tokens)
+    raw = _decompress(header, view[offset:])
+    storage = np.dtype(DTYPES[header.dtype].storage)
+    src = np.frombuffer(raw, dtype=storage).reshape(header.shape)
+    if out is None:
+        arr = src.copy()  # never hand out a view of a buffer the caller may reuse
+    else:
+        if out.shape != header.shape or out.dtype.itemsize != storage.itemsize:
+            raise LayoutError(f"out has shape {list(out.shape)}, object {list(header.shape)}")
+        np.copyto(out.view(storage) if out.dtype != storage else out, src, casting="no")
+        arr = out
+    return DecodedSegment(header=header, array=arr)

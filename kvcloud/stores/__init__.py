@@ -1,0 +1,1 @@
+"""Object stores, chosen by URL (see open_store)."""

@@ -1,0 +1,138 @@
+"""The object-store interface. Every backend implements it and passes tests/contracts."""
+
+from __future__ import annotations
+
+import re
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from types import TracebackType
+
+from ..errors import StoreError
+
+Buffer = bytes | bytearray | memoryview
+
+_KEY_RE = re.compile(r"^[0-9A-Za-z_.-]+(/[0-9A-Za-z_.-]+)*$")
+
+
+def validate_key(key: str) -> str:
+    """Reject keys that could escape a store's root or confuse a listing.
+
+    Keys come from the index, which a compromised peer could write to; a key like
+    ``../../etc/passwd`` must never reach the filesystem or another bucket prefix.
+    """
+    if (
+        not isinstance(key, str)
+        or len(key) > 512
+        or not _KEY_RE.match(key)
+        or any(part in (".", "..") for part in key.split("/"))
+    ):
+        raise StoreError(f"invalid object key {str(key)[:80]!r}")
+    return key
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str  # store-relative, as passed to put()
+    size: int
+    last_modified: float  # unix seconds
+
+
+class ObjectStore(ABC):
+    """Immutable, content-addressed objects under store-relative keys like ``ns/ab/abcd…``.
+
+    Keys are made of ``[0-9a-zA-Z._-]`` segments joined by ``/``. Implementations must be
+    thread-safe. ``put`` is create-only: writing a key that exists is a no-op that returns
+    False (content addressing makes the bytes identical).
+    """
+
+    #: URL with any credentials removed, safe to log and print
+    url: str = ""
+
+    def __init__(self, max_workers: int = 16) -> None:
+        self.max_workers = max(1, int(max_workers))
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    # -- required ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def put(self, key: str, data: Buffer) -> bool:
+        """Store ``data`` under ``key`` if absent. True if written now, False if it existed."""
+
+    @abstractmethod
+    def get(self, key: str) -> bytes:
+        """The object's bytes. Raises ObjectNotFoundError if absent."""
+
+    @abstractmethod
+    def head(self, key: str) -> ObjectInfo | None:
+        """Size and mtime of the object, or None if absent."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the object; absent keys are not an error."""
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` (any order)."""
+
+    # -- provided ---------------------------------------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        return self.head(key) is not None
+
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        """The store's own pool for parallel transfers, sized like its connection pool."""
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    max_workers=self.max_workers, thread_name_prefix="kvcloud-store"
+                )
+            return self._pool
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | BaseException]:
+        """Fetch in parallel. Results are in key order; a failure is returned, not raised."""
+        if len(keys) <= 1:
+            return [self._get_or_error(k) for k in keys]
+        return list(self.executor.map(self._get_or_error, keys))
+
+    def put_many(self, items: Sequence[tuple[str, Buffer]]) -> list[bool | BaseException]:
+        """Store in parallel; results in order, a failure is returned, not raised."""
+        if len(items) <= 1:
+            return [self._put_or_error(kv) for kv in items]
+        return list(self.executor.map(self._put_or_error, items))
+
+    def _get_or_error(self, key: str) -> bytes | BaseException:
+        try:
+            return self.get(key)
+        except Exception as exc:  # handed back to the caller, which decides per key
+            return exc
+
+    def _put_or_error(self, item: tuple[str, Buffer]) -> bool | BaseException:
+        try:
+            return self.put(item[0], item[1])
+        except Exception as exc:
+            return exc
+
+    def close(self) -> None:
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+    def __enter__(self) -> ObjectStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
