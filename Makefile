@@ -24,7 +24,7 @@ test: install
 	$(BIN)/python -m pytest -q
 
 bench: install
-	$(BIN)/kvcloud bench store --json-out docs/bench/store.json
+	@echo "make bench: the benchmark suite is not written yet (tracked in issue 4)"; exit 1
 
 lint: install
 	$(BIN)/ruff check .

@@ -76,8 +76,9 @@ class KVCloudConfig:
     index: str = field(default_factory=default_index_url, metadata={"env": "KVCLOUD_INDEX"})
     """Index URL: ``redis://host:6379/0``, ``rediss://…`` or ``sqlite:///path/index.db``."""
 
-    secret: bytes = field(default=INSECURE_DEFAULT_SECRET, repr=False,
-                          metadata={"env": "KVCLOUD_SECRET"})
+    secret: bytes = field(
+        default=INSECURE_DEFAULT_SECRET, repr=False, metadata={"env": "KVCLOUD_SECRET"}
+    )
     """Master secret from which tenant keys are derived. Set it in production."""
 
     tenant: str = field(default="default", metadata={"env": "KVCLOUD_TENANT"})

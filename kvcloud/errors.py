@@ -104,3 +104,14 @@ __all__ = [
     "TruncatedObjectError",
     "UnsupportedVersionError",
 ]
+
+
+class PushError(StoreError):
+    """Some chunks of a push could not be stored; ``result`` says what did get stored."""
+
+    def __init__(self, message: str, result: object = None) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+__all__ += ["PushError"]

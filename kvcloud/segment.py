@@ -38,8 +38,11 @@ SEGMENT_VERSION = 1
 CODECS = ("raw", "zstd", "lz4")
 DIGEST_HEX_LEN = 64
 MAX_HEADER_LEN = 64 * 1024
-# Without a namespace to bound it, no segment may claim to decode to more than this.
+# Hard ceiling on any declared length. Pulls are bounded far lower: a segment must match
+# the namespace, so it decodes to at most one chunk's bytes.
 MAX_RAW_LEN = 1 << 31
+# Decoding without a namespace (inspection tools) allocates at most this much.
+MAX_UNBOUND_RAW_LEN = 256 << 20
 _PREFIX = struct.Struct("<4sI")
 
 
@@ -327,6 +330,10 @@ def decode_segment(
         raise DigestMismatchError("object bytes do not match their content address")
     header, offset = read_header(view)
     check_header(header, ns=ns, fp=fp, parent=parent, n_tokens=n_tokens)
+    if ns is None and header.raw_len > MAX_UNBOUND_RAW_LEN:
+        raise TruncatedObjectError(
+            f"object declares {header.raw_len} bytes; decode it with its namespace"
+        )
     raw = _decompress(header, view[offset:])
     storage = np.dtype(DTYPES[header.dtype].storage)
     src = np.frombuffer(raw, dtype=storage).reshape(header.shape)

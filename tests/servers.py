@@ -100,9 +100,21 @@ def start_redis(workdir: Path, persistence: bool = False) -> RedisServer:
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     argv = [
-        binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
-        "--save", "", "--appendonly", "yes" if persistence else "no",
-        "--protected-mode", "no", "--daemonize", "no",
+        binary,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--dir",
+        str(workdir),
+        "--save",
+        "",
+        "--appendonly",
+        "yes" if persistence else "no",
+        "--protected-mode",
+        "no",
+        "--daemonize",
+        "no",
     ]
     server = RedisServer(argv=argv, port=port, log_path=workdir / "redis.log", dir=workdir)
     return server.start()  # type: ignore[return-value]

@@ -1,0 +1,367 @@
+"""The ``kvcloud`` command line: estimate, stats, ls, inspect.
+
+Every command takes ``--json`` for scripts. Backend commands take ``--store``/``--index``
+(default: KVCLOUD_STORE / KVCLOUD_INDEX). Errors print one line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn
+from rich.table import Table
+
+from . import __version__
+from .config import KVCloudConfig
+from .errors import KVCloudError, ObjectNotFoundError
+from .indexes import open_index
+from .indexes.base import Index
+from .models import KV_SHAPES
+from .namespace import DTYPES
+from .segment import content_digest, digest_from_key, read_header
+from .stores import open_store
+from .stores.base import ObjectStore
+
+_FP_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def _emit_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+# --- estimate ----------------------------------------------------------------------------------
+
+
+def estimate(layers: int, tokens: int, kv_dim: int, bytes_per_element: float) -> dict[str, Any]:
+    """The seed's formula: bytes = layers × tokens × kv_dim × bytes_per_element × 2 (K and V)."""
+    total = layers * tokens * kv_dim * bytes_per_element * 2
+    total_int = int(total)
+    return {
+        "layers": layers,
+        "tokens": tokens,
+        "kv_dim": kv_dim,
+        "bytes_per_element": bytes_per_element,
+        "bytes_per_token": layers * kv_dim * bytes_per_element * 2,
+        "bytes": total_int,
+        "gib": total_int / 2**30,
+        "gb": total_int / 1e9,
+    }
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    layers, kv_dim, bpe = args.layers, args.kv_dim, args.bytes_per_element
+    if args.model:
+        shape = KV_SHAPES.get(args.model)
+        if shape is None:
+            raise KVCloudError(f"unknown model {args.model!r}; known: {', '.join(KV_SHAPES)}")
+        layers = layers or shape.num_layers
+        kv_dim = kv_dim or shape.kv_dim
+        if bpe is None and args.dtype is None:
+            bpe = DTYPES[shape.dtype].itemsize
+    if args.dtype:
+        if args.dtype not in DTYPES:
+            raise KVCloudError(f"unknown dtype {args.dtype!r}; known: {', '.join(DTYPES)}")
+        bpe = DTYPES[args.dtype].itemsize
+    missing = [
+        flag
+        for flag, v in (("--layers", layers), ("--kv-dim", kv_dim), ("--bytes-per-element", bpe))
+        if not v
+    ]
+    if missing:
+        raise KVCloudError(f"estimate needs {', '.join(missing)} (or --model PRESET)")
+    if args.tokens <= 0 or layers <= 0 or kv_dim <= 0 or bpe <= 0:
+        raise KVCloudError("all sizes must be positive")
+    bpe_value: float = int(bpe) if float(bpe).is_integer() else float(bpe)
+    r = estimate(layers, args.tokens, kv_dim, bpe_value)
+    if args.model:
+        r["model"] = args.model
+    if args.json:
+        _emit_json(r)
+        return 0
+    print(f"{r['bytes']:,} bytes = {r['gib']:.2f} GiB = {r['gb']:.2f} GB")
+    print(
+        f"  {layers} layers × {args.tokens:,} tokens × {kv_dim} kv_dim × {bpe_value} B × 2 (K,V);"
+        f" {r['bytes_per_token']:,} bytes/token"
+    )
+    return 0
+
+
+# --- backend commands ----------------------------------------------------------------------
+
+
+def _config(args: argparse.Namespace) -> KVCloudConfig:
+    return KVCloudConfig.from_env(store=args.store, index=args.index)
+
+
+def _open_index(args: argparse.Namespace) -> Index:
+    cfg = _config(args)
+    return open_index(
+        cfg.index,
+        ttl_seconds=cfg.ttl_seconds,
+        connect_timeout=cfg.connect_timeout,
+        read_timeout=cfg.read_timeout,
+    )
+
+
+def _open_store(args: argparse.Namespace) -> ObjectStore:
+    cfg = _config(args)
+    return open_store(
+        cfg.store,
+        max_workers=cfg.max_connections,
+        connect_timeout=cfg.connect_timeout,
+        read_timeout=cfg.read_timeout,
+    )
+
+
+def _progress(enabled: bool) -> Progress:
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TextColumn("{task.completed:,}"),
+        console=Console(stderr=True),
+        transient=True,
+        disable=not enabled,
+    )
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    per_ns: dict[str, dict[str, int]] = defaultdict(lambda: {"entries": 0, "bytes": 0, "tokens": 0})
+    show = not args.json and sys.stderr.isatty()
+    with _open_index(args) as index:
+        with _progress(show) as progress:
+            task = progress.add_task("scanning index entries", total=None)
+            for rec in index.iter_entries():
+                d = per_ns[rec.ns]
+                d["entries"] += 1
+                d["bytes"] += rec.entry.size
+                d["tokens"] += rec.entry.n_tokens
+                progress.advance(task)
+        sessions = sum(1 for _ in index.iter_sessions())
+        counters = index.counters()
+        index_url = index.url
+    result: dict[str, Any] = {
+        "index": index_url,
+        "entries": sum(d["entries"] for d in per_ns.values()),
+        "entry_bytes": sum(d["bytes"] for d in per_ns.values()),
+        "sessions": sessions,
+        "namespaces": dict(per_ns),
+        "counters": counters,
+    }
+    if not args.no_store:
+        objects = obj_bytes = 0
+        with _open_store(args) as store, _progress(show) as progress:
+            task = progress.add_task("listing store objects", total=None)
+            for info in store.list():
+                objects += 1
+                obj_bytes += info.size
+                progress.advance(task)
+            result["store"] = store.url
+        result["objects"] = objects
+        result["object_bytes"] = obj_bytes
+    if args.json:
+        _emit_json(result)
+        return 0
+    console = Console()
+    console.print(f"index  {result['index']}")
+    if "store" in result:
+        console.print(f"store  {result['store']}")
+    table = Table("namespace", "entries", "tokens", "bytes")
+    for ns, d in sorted(per_ns.items()):
+        table.add_row(ns, f"{d['entries']:,}", f"{d['tokens']:,}", _human_bytes(d["bytes"]))
+    table.add_row(
+        "[b]total",
+        f"{result['entries']:,}",
+        f"{sum(d['tokens'] for d in per_ns.values()):,}",
+        _human_bytes(result["entry_bytes"]),
+    )
+    console.print(table)
+    line = f"sessions {sessions:,}"
+    if "objects" in result:
+        line += f"   objects {objects:,} ({_human_bytes(obj_bytes)})"
+    console.print(line)
+    if counters:
+        console.print("counters  " + "  ".join(f"{k}={v:,}" for k, v in sorted(counters.items())))
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    rows = []
+    with _open_index(args) as index:
+        for rec in index.iter_entries(args.ns):
+            rows.append(rec)
+            if args.limit and len(rows) >= args.limit:
+                break
+    rows.sort(key=lambda r: (r.ns, -r.entry.created))
+    if args.json:
+        _emit_json(
+            [
+                {
+                    "ns": r.ns,
+                    "fp": r.fp,
+                    "object_key": r.entry.object_key,
+                    "tokens": r.entry.n_tokens,
+                    "size": r.entry.size,
+                    "created": r.entry.created,
+                    "expires_at": r.expires_at,
+                }
+                for r in rows
+            ]
+        )
+        return 0
+    table = Table("namespace", "fingerprint", "tokens", "size", "age", "object")
+    now = time.time()
+    for r in rows:
+        table.add_row(
+            r.ns[:12],
+            r.fp[:16],
+            str(r.entry.n_tokens),
+            _human_bytes(r.entry.size),
+            f"{max(0.0, now - r.entry.created):.0f}s",
+            r.entry.object_key,
+        )
+    Console().print(table)
+    return 0
+
+
+def _describe_object(store: ObjectStore, key: str) -> dict[str, Any]:
+    data = store.get(key)
+    header, offset = read_header(data)
+    digest_ok = content_digest(data) == digest_from_key(key)
+    return {
+        "key": key,
+        "size": len(data),
+        "digest_ok": digest_ok,
+        "header": header.to_dict(),
+        "payload_offset": offset,
+    }
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    target = args.target.strip()
+    result: dict[str, Any] = {}
+    if _FP_RE.match(target):
+        with _open_index(args) as index:
+            recs = [r for r in index.iter_entries(args.ns) if r.fp == target]
+        if not recs:
+            raise KVCloudError(f"no index entry for fingerprint {target[:16]}…")
+        result["entries"] = [
+            {
+                "ns": r.ns,
+                "fp": r.fp,
+                "object_key": r.entry.object_key,
+                "tokens": r.entry.n_tokens,
+                "size": r.entry.size,
+                "created": r.entry.created,
+                "expires_at": r.expires_at,
+            }
+            for r in recs
+        ]
+        keys = [r.entry.object_key for r in recs]
+    elif "/" in target:
+        keys = [target]
+    else:
+        raise KVCloudError("inspect takes an object key (ns/ab/abcd…) or a 64-hex fingerprint")
+    with _open_store(args) as store:
+        objects = []
+        for key in keys:
+            try:
+                objects.append(_describe_object(store, key))
+            except ObjectNotFoundError:
+                objects.append({"key": key, "error": "object not found"})
+            except KVCloudError as exc:
+                objects.append({"key": key, "error": f"{type(exc).__name__}: {exc}"})
+    result["objects"] = objects
+    if args.json:
+        _emit_json(result)
+    else:
+        console = Console()
+        for e in result.get("entries", []):
+            console.print(
+                f"entry  ns={e['ns']} fp={e['fp']} tokens={e['tokens']} "
+                f"size={e['size']:,} object={e['object_key']}"
+            )
+        for o in objects:
+            if "error" in o:
+                console.print(f"object {o['key']}: [red]{o['error']}")
+                continue
+            console.print(
+                f"object {o['key']}  {o['size']:,} bytes  digest "
+                f"{'ok' if o['digest_ok'] else '[red]MISMATCH'}"
+            )
+            for k, v in o["header"].items():
+                console.print(f"  {k:12} {v}")
+    bad = any("error" in o or not o.get("digest_ok") for o in objects)
+    return 1 if bad else 0
+
+
+# --- entry point ---------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvcloud", description=__doc__.split("\n")[0])
+    p.add_argument("--version", action="version", version=f"kvcloud {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def backend(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--store", help="object store URL (default: $KVCLOUD_STORE)")
+        sp.add_argument("--index", help="index URL (default: $KVCLOUD_INDEX)")
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+    e = sub.add_parser("estimate", help="KV size of a prefix (the seed's formula)")
+    e.add_argument("--layers", type=int)
+    e.add_argument("--tokens", type=int, required=True)
+    e.add_argument("--kv-dim", type=int, help="kv_heads × head_dim")
+    e.add_argument("--bytes-per-element", type=float)
+    e.add_argument("--dtype", help="instead of --bytes-per-element: " + ", ".join(DTYPES))
+    e.add_argument("--model", help="take the shape from a preset: " + ", ".join(KV_SHAPES))
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=cmd_estimate)
+
+    s = sub.add_parser("stats", help="entries, bytes, sessions and counters")
+    backend(s)
+    s.add_argument("--no-store", action="store_true", help="skip listing the object store")
+    s.set_defaults(func=cmd_stats)
+
+    ls = sub.add_parser("ls", help="list index entries")
+    backend(ls)
+    ls.add_argument("--ns", help="only this namespace id")
+    ls.add_argument("--limit", type=int, default=0)
+    ls.set_defaults(func=cmd_ls)
+
+    ins = sub.add_parser("inspect", help="show an object's header, or a fingerprint's entry")
+    backend(ins)
+    ins.add_argument("target", metavar="KEY|FP")
+    ins.add_argument("--ns", help="with a fingerprint: only this namespace id")
+    ins.set_defaults(func=cmd_inspect)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KVCloudError as exc:
+        print(f"kvcloud {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,656 @@
+"""KVCloud: push, lookup and pull KV segments; save and resume sessions.
+
+Reliability rules from DESIGN §4 live here:
+- push writes each object before its index entry;
+- pull verifies every object (digest = key, header = what was asked) and turns a missing or
+  corrupt one into a shorter match, dropping the bad entry, instead of raising;
+- lookup and pull treat an unreachable index or store as a miss (logged and counted): the
+  caller recomputes, nobody gets an error on the inference path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from .config import KVCloudConfig
+from .errors import (
+    ConfigError,
+    CorruptObjectError,
+    IndexBackendError,
+    KVCloudError,
+    LayoutError,
+    ObjectNotFoundError,
+    PushError,
+    SessionNotFoundError,
+    StoreError,
+)
+from .indexes import open_index
+from .indexes.base import Index, IndexEntry
+from .namespace import (
+    Namespace,
+    chunk_fingerprints,
+    derive_tenant_key,
+    tail_fingerprint,
+    tokens_array,
+)
+from .segment import decode_segment, digest_from_key, encode_segment
+from .stores import open_store
+from .stores.base import ObjectStore
+
+log = logging.getLogger("kvcloud.client")
+
+SESSION_RECORD_VERSION = 1
+_MAX_SESSION_ID = 256
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """One matched chunk: its position, fingerprints and index entry."""
+
+    position: int
+    fp: bytes
+    parent: bytes
+    entry: IndexEntry
+
+
+@dataclass(frozen=True)
+class Match:
+    """The longest cached prefix of a prompt. ``tokens`` is a multiple of chunk_tokens."""
+
+    ns: Namespace
+    tenant: str
+    chunks: tuple[ChunkRef, ...]
+    prompt_chunks: int  # full chunks in the prompt that was looked up
+
+    @property
+    def tokens(self) -> int:
+        return len(self.chunks) * self.ns.chunk_tokens
+
+    @property
+    def nbytes(self) -> int:
+        """Stored size of the matched objects (what a pull transfers)."""
+        return sum(c.entry.size for c in self.chunks)
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks)
+
+
+@dataclass
+class PushResult:
+    chunks: int = 0  # full chunks in the prefix
+    already_indexed: int = 0  # had an entry before this push (nothing written)
+    pushed: int = 0  # newly registered entries
+    objects_written: int = 0  # new objects (a pushed chunk may reuse an existing object)
+    bytes_written: int = 0
+    failed: int = 0
+    keys: list[str] = field(default_factory=list)  # object key of every chunk, in order
+
+
+@dataclass
+class PullResult:
+    array: np.ndarray  # [layers, 2, tokens, kv_heads, head_dim] view of the filled prefix
+    tokens: int
+    chunks: int
+    bytes: int
+    failures: list[tuple[int, str]] = field(default_factory=list)  # (chunk position, reason)
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    """A session as stored: its token history and the objects holding its KV."""
+
+    session_id: str
+    ns: str
+    tokens: np.ndarray  # uint32 token history
+    chunk_keys: tuple[str, ...]  # one per full chunk of ``tokens``
+    tail_key: str | None  # the partial last chunk, if any
+    updated: float
+    meta: dict[str, Any]
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+
+def _hex(fps: Sequence[bytes]) -> list[str]:
+    return [fp.hex() for fp in fps]
+
+
+class KVCloud:
+    """The client. Thread-safe; use it as a context manager or call close()."""
+
+    def __init__(self, store: ObjectStore, index: Index, config: KVCloudConfig | None = None):
+        self.store = store
+        self.index = index
+        self.config = config or KVCloudConfig()
+        self._keys: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+        self._stats: Counter[str] = Counter()
+        self._pending: Counter[str] = Counter()  # not yet added to the index's counters
+        if self.config.insecure_secret:
+            log.warning(
+                "KVCLOUD_SECRET is not set: using the built-in development secret. Anyone "
+                "with this code can compute your fingerprints; set a secret in production."
+            )
+
+    # -- construction -----------------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls,
+        store: str | ObjectStore | None = None,
+        index: str | Index | None = None,
+        *,
+        secret: str | bytes | None = None,
+        config: KVCloudConfig | None = None,
+        **options: Any,
+    ) -> KVCloud:
+        """Open by URL (or with ready backends). Unset values come from the environment."""
+        cfg = config or KVCloudConfig.from_env(
+            store=store if isinstance(store, str) else None,
+            index=index if isinstance(index, str) else None,
+            secret=secret,
+            **options,
+        )
+        if config is not None and secret is not None:
+            cfg.secret = secret.encode() if isinstance(secret, str) else secret
+        st = (
+            store
+            if isinstance(store, ObjectStore)
+            else open_store(
+                cfg.store,
+                max_workers=cfg.max_connections,
+                connect_timeout=cfg.connect_timeout,
+                read_timeout=cfg.read_timeout,
+                fsync=cfg.fsync,
+            )
+        )
+        try:
+            ix = (
+                index
+                if isinstance(index, Index)
+                else open_index(
+                    cfg.index,
+                    ttl_seconds=cfg.ttl_seconds,
+                    connect_timeout=cfg.connect_timeout,
+                    read_timeout=cfg.read_timeout,
+                )
+            )
+        except Exception:
+            if not isinstance(store, ObjectStore):
+                st.close()
+            raise
+        return cls(st, ix, cfg)
+
+    @classmethod
+    def from_env(cls, **options: Any) -> KVCloud:
+        """KVCLOUD_STORE, KVCLOUD_INDEX, KVCLOUD_SECRET, … (see KVCloudConfig)."""
+        return cls.open(**options)
+
+    def close(self) -> None:
+        try:
+            self._flush_counters()
+        finally:
+            self.store.close()
+            self.index.close()
+
+    def __enter__(self) -> KVCloud:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"KVCloud(store={self.store.url!r}, index={self.index.url!r})"
+
+    # -- keys and fingerprints --------------------------------------------------------------
+
+    def _tenant(self, tenant: str | None) -> str:
+        return tenant if tenant is not None else self.config.tenant
+
+    def tenant_key(self, tenant: str | None = None) -> bytes:
+        t = self._tenant(tenant)
+        with self._lock:
+            key = self._keys.get(t)
+            if key is None:
+                key = self._keys[t] = derive_tenant_key(self.config.secret, t)
+            return key
+
+    def session_scope(self, tenant: str | None = None) -> str:
+        """Index scope of a tenant's sessions: derived from its key, so it is unguessable."""
+        key = self.tenant_key(tenant)
+        return hashlib.blake2b(key, digest_size=16, person=b"kvc-scope-v1").hexdigest()
+
+    def fingerprints(
+        self, ns: Namespace, tokens: Sequence[int] | np.ndarray, tenant: str | None = None
+    ) -> list[bytes]:
+        return chunk_fingerprints(ns, tokens, self.tenant_key(tenant))
+
+    # -- statistics -------------------------------------------------------------------------
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                if v:
+                    self._stats[k] += v
+                    self._pending[k] += v
+
+    def _drain_pending(self) -> dict[str, int]:
+        with self._lock:
+            pending = dict(self._pending)
+            self._pending.clear()
+        return pending
+
+    def _restore_pending(self, pending: Mapping[str, int]) -> None:
+        with self._lock:
+            self._pending.update(pending)
+
+    def _flush_counters(self) -> None:
+        pending = self._drain_pending()
+        if not pending:
+            return
+        try:
+            self.index.incr(pending)
+        except KVCloudError as exc:
+            log.warning("could not flush counters to the index: %s", exc)
+
+    def stats(self) -> dict[str, int]:
+        """This client's counters since it was opened."""
+        with self._lock:
+            return dict(self._stats)
+
+    # -- push -------------------------------------------------------------------------------
+
+    def push(
+        self,
+        ns: Namespace,
+        tokens: Sequence[int] | np.ndarray,
+        kv_array: np.ndarray,
+        tenant: str | None = None,
+        *,
+        codec: str | None = None,
+    ) -> PushResult:
+        """Store every full chunk of the prefix that is not stored yet.
+
+        ``kv_array`` is ``[layers, 2, T, kv_heads, head_dim]`` with T covering at least the
+        full chunks of ``tokens``; a partial tail is not pushed (it cannot be shared by
+        prefix; sessions store it separately). Raises PushError if any chunk failed, after
+        registering those that succeeded.
+        """
+        toks = tokens_array(tokens)
+        c = ns.chunk_tokens
+        n_full = len(toks) // c
+        arr = ns.check_array(kv_array)
+        if not n_full * c <= arr.shape[2] <= len(toks):
+            raise LayoutError(
+                f"kv_array holds {arr.shape[2]} tokens; expected between {n_full * c} and "
+                f"{len(toks)} for a {len(toks)}-token prefix"
+            )
+        fps = self.fingerprints(ns, toks[: n_full * c], tenant)
+        parents = [ns.digest, *fps[:-1]]
+        chunks = [(fps[i], parents[i], arr[:, :, i * c : (i + 1) * c]) for i in range(n_full)]
+        return self.push_chunks(ns, chunks, codec=codec)
+
+    def push_chunks(
+        self,
+        ns: Namespace,
+        chunks: Sequence[tuple[bytes, bytes, np.ndarray]],
+        *,
+        codec: str | None = None,
+    ) -> PushResult:
+        """Store chunks given as (fp, parent fp, kv) — the worker's eviction path.
+
+        Chunks that already have an index entry are skipped (one lookup round trip).
+        """
+        result = PushResult(chunks=len(chunks), keys=[""] * len(chunks))
+        if not chunks:
+            return result
+        codec = codec or self.config.codec
+        existing = self.index.lookup(ns.id, _hex([fp for fp, _, _ in chunks]))
+        todo: list[int] = []
+        for i, entry in enumerate(existing):
+            if entry is not None:
+                result.already_indexed += 1
+                result.keys[i] = entry.object_key
+            else:
+                todo.append(i)
+
+        def store_one(i: int) -> tuple[int, str, bool, int]:
+            fp, parent, kv = chunks[i]
+            seg = encode_segment(ns, fp, parent, kv, codec=codec)
+            key = seg.key()
+            created = self.store.put(key, seg.data)  # the object first ...
+            entry = IndexEntry(key, seg.header.n_tokens, len(seg.data), time.time())
+            self.index.register(ns.id, fp.hex(), entry)  # ... then the entry (invariant 1)
+            return i, key, created, len(seg.data)
+
+        errors: list[BaseException] = []
+        if len(todo) == 1:
+            outcomes: list[Any] = [self._attempt(store_one, todo[0])]
+        else:
+            outcomes = list(self.store.executor.map(lambda i: self._attempt(store_one, i), todo))
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                errors.append(outcome)
+                result.failed += 1
+                continue
+            i, key, created, size = outcome
+            result.keys[i] = key
+            result.pushed += 1
+            if created:
+                result.objects_written += 1
+                result.bytes_written += size
+        self._count(
+            chunks_pushed=result.pushed,
+            objects_written=result.objects_written,
+            bytes_pushed=result.bytes_written,
+            push_failures=result.failed,
+        )
+        if errors:
+            raise PushError(
+                f"{result.failed} of {len(todo)} chunks could not be stored: {errors[0]}", result
+            ) from errors[0]
+        return result
+
+    @staticmethod
+    def _attempt(fn: Any, arg: Any) -> Any:
+        try:
+            return fn(arg)
+        except (KVCloudError, OSError) as exc:
+            return exc
+
+    # -- lookup -----------------------------------------------------------------------------
+
+    def lookup(
+        self, ns: Namespace, tokens: Sequence[int] | np.ndarray, tenant: str | None = None
+    ) -> Match:
+        """The longest cached prefix, in one index round trip. Never raises for a backend
+        outage: an unreachable index is an empty match (logged and counted)."""
+        t = self._tenant(tenant)
+        fps = self.fingerprints(ns, tokens, t)
+        return self.lookup_fingerprints(ns, fps, tenant=t)
+
+    def lookup_fingerprints(
+        self,
+        ns: Namespace,
+        fps: Sequence[bytes],
+        tenant: str | None = None,
+        *,
+        start: int = 0,
+        parent: bytes | None = None,
+    ) -> Match:
+        """Lookup for precomputed fps. ``start`` is the chunk position of ``fps[0]`` and
+        ``parent`` the fp before it (the namespace digest when start is 0) — used when the
+        first chunks are already in local memory and only the rest is asked for."""
+        t = self._tenant(tenant)
+        if parent is None:
+            if start != 0:
+                raise LayoutError("lookup_fingerprints needs parent= when start > 0")
+            parent = ns.digest
+        if not fps:
+            return Match(ns, t, (), start)
+        pending = self._drain_pending()
+        pending["lookups"] = pending.get("lookups", 0) + 1
+        try:
+            entries = self.index.lookup(ns.id, _hex(fps), counters=pending)
+        except IndexBackendError as exc:
+            self._restore_pending(pending)
+            log.warning("index lookup failed, treating as a miss: %s", exc)
+            self._count(index_errors=1, lookups=1, chunks_missed=len(fps))
+            return Match(ns, t, (), start + len(fps))
+        hits: list[ChunkRef] = []
+        for i, (fp, entry) in enumerate(zip(fps, entries, strict=True)):
+            if entry is None:
+                break
+            hits.append(ChunkRef(start + i, fp, parent, entry))
+            parent = fp
+        with self._lock:  # "lookups" already reached the index with this round trip
+            self._stats["lookups"] += 1
+        self._count(chunks_hit=len(hits), chunks_missed=len(fps) - len(hits))
+        return Match(ns, t, tuple(hits), start + len(fps))
+
+    # -- pull -------------------------------------------------------------------------------
+
+    def pull(self, m: Match, out: np.ndarray | None = None) -> np.ndarray:
+        """KV of the matched prefix, bit-identical to what was pushed.
+
+        Returns ``[layers, 2, n, kv_heads, head_dim]``; ``n == m.tokens`` unless an object was
+        missing or corrupt, in which case n stops before it (the entry is dropped and the
+        failure counted). With ``out`` (at least ``m.tokens`` long on axis 2), fills it and
+        returns a view of it.
+        """
+        return self.pull_detailed(m, out).array
+
+    def pull_detailed(self, m: Match, out: np.ndarray | None = None) -> PullResult:
+        ns = m.ns
+        c = ns.chunk_tokens
+        storage = np.dtype(ns.dtype_info.storage)
+        if out is None:
+            out = np.empty(ns.kv_shape(m.tokens), dtype=storage)
+        else:
+            out = ns.check_array(out)
+            if out.shape[2] < m.tokens:
+                raise LayoutError(f"out holds {out.shape[2]} tokens, the match {m.tokens}")
+        dests = [out[:, :, i * c : (i + 1) * c] for i in range(len(m.chunks))]
+        n_ok, failures, nbytes = self._pull_into(m, dests)
+        return PullResult(out[:, :, : n_ok * c], n_ok * c, n_ok, nbytes, failures)
+
+    def pull_into(self, m: Match, dests: Sequence[np.ndarray]) -> PullResult:
+        """Pull chunk i of the match into ``dests[i]`` (e.g. free KV-cache pages)."""
+        if len(dests) < len(m.chunks):
+            raise LayoutError(f"{len(dests)} destinations for {len(m.chunks)} chunks")
+        dests = [m.ns.check_array(d, m.ns.chunk_tokens) for d in dests[: len(m.chunks)]]
+        n_ok, failures, nbytes = self._pull_into(m, dests)
+        empty = np.empty(m.ns.kv_shape(0), dtype=m.ns.dtype_info.storage)
+        return PullResult(empty, n_ok * m.ns.chunk_tokens, n_ok, nbytes, failures)
+
+    def _pull_into(
+        self, m: Match, dests: Sequence[np.ndarray]
+    ) -> tuple[int, list[tuple[int, str]], int]:
+        ns = m.ns
+
+        def fetch(i: int) -> tuple[str, int]:
+            ref = m.chunks[i]
+            key = ref.entry.object_key
+            try:
+                data = self.store.get(key)
+            except ObjectNotFoundError:
+                return "missing", 0
+            except (StoreError, OSError) as exc:
+                log.warning("store get %s failed: %s", key, exc)
+                return "unavailable", 0
+            try:
+                decode_segment(
+                    data,
+                    digest=digest_from_key(key),
+                    ns=ns,
+                    fp=ref.fp,
+                    parent=ref.parent,
+                    n_tokens=ns.chunk_tokens,
+                    out=dests[i],
+                )
+            except CorruptObjectError as exc:
+                log.warning("object %s failed verification: %s", key, exc)
+                return f"corrupt:{type(exc).__name__}", len(data)
+            return "ok", len(data)
+
+        n = len(m.chunks)
+        if n == 0:
+            return 0, [], 0
+        outcomes = [fetch(0)] if n == 1 else list(self.store.executor.map(fetch, range(n)))
+        n_ok = 0
+        while n_ok < n and outcomes[n_ok][0] == "ok":
+            n_ok += 1
+        failures = [(m.chunks[i].position, r) for i, (r, _) in enumerate(outcomes) if r != "ok"]
+        nbytes = sum(size for r, size in outcomes[:n_ok])
+        dropped = 0
+        for i, (reason, _) in enumerate(outcomes):
+            if reason == "missing" or reason.startswith("corrupt"):
+                ref = m.chunks[i]
+                # the index is a hint: an entry whose object is gone or bad must not be
+                # served again; compare-and-drop so a concurrent good re-push survives
+                try:
+                    if self.index.drop(ns.id, ref.fp.hex(), ref.entry.object_key):
+                        dropped += 1
+                except KVCloudError as exc:
+                    log.warning("could not drop bad entry %s: %s", ref.fp.hex()[:16], exc)
+        self._count(
+            chunks_pulled=n_ok,
+            bytes_pulled=nbytes,
+            tokens_restored=n_ok * ns.chunk_tokens,
+            missing_objects=sum(1 for r, _ in outcomes if r == "missing"),
+            verify_failures=sum(1 for r, _ in outcomes if r.startswith("corrupt")),
+            store_errors=sum(1 for r, _ in outcomes if r == "unavailable"),
+            entries_dropped=dropped,
+        )
+        return n_ok, failures, nbytes
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_session_id(session_id: str) -> None:
+        if not isinstance(session_id, str) or not 0 < len(session_id) <= _MAX_SESSION_ID:
+            raise ConfigError(f"session id must be 1..{_MAX_SESSION_ID} characters")
+
+    def save_session(
+        self,
+        ns: Namespace,
+        session_id: str,
+        tokens: Sequence[int] | np.ndarray,
+        kv_array: np.ndarray,
+        tenant: str | None = None,
+        *,
+        meta: Mapping[str, Any] | None = None,
+        ttl_seconds: int | None = None,
+    ) -> SessionRecord:
+        """Push every full chunk and the partial tail, then write the session record
+        (object before record, as for entries). ``kv_array`` covers all of ``tokens``."""
+        self._check_session_id(session_id)
+        t = self._tenant(tenant)
+        toks = tokens_array(tokens)
+        arr = ns.check_array(kv_array, len(toks))
+        res = self.push(ns, toks, arr, t)
+        c = ns.chunk_tokens
+        n_full = len(toks) // c
+        tail_key = None
+        if len(toks) % c:
+            fps = self.fingerprints(ns, toks[: n_full * c], t)
+            parent = fps[-1] if fps else ns.digest
+            tfp = tail_fingerprint(ns, parent, toks[n_full * c :], self.tenant_key(t))
+            seg = encode_segment(ns, tfp, parent, arr[:, :, n_full * c :], codec=self.config.codec)
+            tail_key = seg.key()
+            if self.store.put(tail_key, seg.data):
+                self._count(objects_written=1, bytes_pushed=len(seg.data))
+        record = SessionRecord(
+            session_id=session_id,
+            ns=ns.id,
+            tokens=toks.copy(),
+            chunk_keys=tuple(res.keys),
+            tail_key=tail_key,
+            updated=time.time(),
+            meta=dict(meta or {}),
+        )
+        payload = msgpack.packb(
+            {
+                "v": SESSION_RECORD_VERSION,
+                "ns": record.ns,
+                "tokens": record.tokens.astype("<u4").tobytes(),
+                "chunks": list(record.chunk_keys),
+                "tail": record.tail_key,
+                "updated": record.updated,
+                "meta": record.meta,
+            },
+            use_bin_type=True,
+        )
+        self.index.put_session(self.session_scope(t), session_id, payload, ttl_seconds)
+        return record
+
+    def load_session(
+        self, ns: Namespace, session_id: str, tenant: str | None = None
+    ) -> SessionRecord:
+        """The session record of this tenant. Raises SessionNotFoundError."""
+        self._check_session_id(session_id)
+        raw = self.index.get_session(self.session_scope(tenant), session_id)
+        if raw is None:
+            raise SessionNotFoundError(f"no session {session_id!r} for this tenant")
+        try:
+            d = msgpack.unpackb(raw, raw=False)
+            if d.get("v") != SESSION_RECORD_VERSION:
+                raise ValueError(f"record version {d.get('v')}")
+            toks = np.frombuffer(d["tokens"], dtype="<u4").copy()
+            record = SessionRecord(
+                session_id=session_id,
+                ns=str(d["ns"]),
+                tokens=toks,
+                chunk_keys=tuple(str(k) for k in d["chunks"]),
+                tail_key=d["tail"],
+                updated=float(d["updated"]),
+                meta=dict(d.get("meta") or {}),
+            )
+        except Exception as exc:
+            raise CorruptObjectError(f"session record {session_id!r} is malformed: {exc}") from None
+        if record.ns != ns.id:
+            raise SessionNotFoundError(f"session {session_id!r} belongs to another namespace")
+        if len(record.chunk_keys) != len(toks) // ns.chunk_tokens:
+            raise CorruptObjectError(f"session record {session_id!r} lists the wrong chunks")
+        return record
+
+    def pull_session(
+        self, ns: Namespace, record: SessionRecord, tenant: str | None = None
+    ) -> PullResult:
+        """KV of a session's history, verified chunk by chunk; stops at the first bad one."""
+        t = self._tenant(tenant)
+        toks = record.tokens
+        c = ns.chunk_tokens
+        n_full = len(toks) // c
+        fps = self.fingerprints(ns, toks[: n_full * c], t)
+        parents = [ns.digest, *fps[:-1]]
+        refs = [
+            ChunkRef(i, fps[i], parents[i], IndexEntry(record.chunk_keys[i], c, 0, 0.0))
+            for i in range(n_full)
+        ]
+        m = Match(ns, t, tuple(refs), n_full)
+        out = np.empty(ns.kv_shape(len(toks)), dtype=ns.dtype_info.storage)
+        dests = [out[:, :, i * c : (i + 1) * c] for i in range(n_full)]
+        n_ok, failures, nbytes = self._pull_into(m, dests)
+        tokens_ok = n_ok * c
+        if n_ok == n_full and record.tail_key:
+            parent = fps[-1] if fps else ns.digest
+            tfp = tail_fingerprint(ns, parent, toks[n_full * c :], self.tenant_key(t))
+            try:
+                data = self.store.get(record.tail_key)
+                decode_segment(
+                    data,
+                    digest=digest_from_key(record.tail_key),
+                    ns=ns,
+                    fp=tfp,
+                    parent=parent,
+                    n_tokens=len(toks) - n_full * c,
+                    out=out[:, :, n_full * c :],
+                )
+                tokens_ok = len(toks)
+                nbytes += len(data)
+            except (KVCloudError, OSError) as exc:
+                failures.append((n_full, f"tail:{type(exc).__name__}"))
+                self._count(verify_failures=1)
+        return PullResult(out[:, :, :tokens_ok], tokens_ok, n_ok, nbytes, failures)
+
+    def delete_session(self, session_id: str, tenant: str | None = None) -> bool:
+        self._check_session_id(session_id)
+        return self.index.delete_session(self.session_scope(tenant), session_id)

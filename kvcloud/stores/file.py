@@ -1,0 +1,197 @@
+"""``file://`` object store: one file per object under a root directory.
+
+The embedded default (DESIGN §6). Several worker processes on one machine may share a root,
+so writes must be atomic and create-only without any lock: each object is written to a
+private temp file in its final directory and then hard-linked into place. ``link`` fails with
+EEXIST if another process got there first, which is exactly the create-only semantics that
+``ObjectStore.put`` promises, and readers never see a partially written object.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import ObjectNotFoundError, StoreError
+from .base import Buffer, ObjectInfo, ObjectStore, validate_key
+
+TMP_PREFIX = ".tmp-"
+
+# link() is unsupported on some filesystems (FAT, some FUSE and SMB mounts); there we fall
+# back to rename(), which is still atomic for readers but cannot detect an existing object.
+_NO_LINK_ERRNOS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK}
+
+
+class FileStore(ObjectStore):
+    """Objects as files: key ``ns/ab/abcd`` lives at ``root/ns/ab/abcd``."""
+
+    def __init__(
+        self, root: str | os.PathLike[str], *, fsync: bool = False, max_workers: int = 16
+    ) -> None:
+        super().__init__(max_workers=max_workers)
+        # abspath rather than resolve(): a symlinked root should stay as configured in logs.
+        self.root = Path(os.path.abspath(os.fspath(root)))
+        self.fsync = bool(fsync)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create store root {self.root}: {exc}") from exc
+        if not self.root.is_dir():
+            raise StoreError(f"store root {self.root} is not a directory")
+        self.url = f"file://{self.root}"
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _path(self, key: str) -> Path:
+        validate_key(key)
+        # Such a name would be hidden from list() and could collide with a writer's temp file.
+        if key.rsplit("/", 1)[-1].startswith(TMP_PREFIX):
+            raise StoreError(f"invalid object key {key[:80]!r}: {TMP_PREFIX}* is reserved")
+        return self.root / key
+
+    def _fsync_dir(self, path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _make_parents(self, directory: Path) -> None:
+        if directory.is_dir():
+            return
+        # Find which ancestors are new: their own parents need an fsync for the new entries
+        # to survive a crash, otherwise a durable object could sit in a vanished directory.
+        missing: list[Path] = []
+        d = directory
+        while d != self.root and not d.is_dir():
+            missing.append(d)
+            d = d.parent
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"put: cannot create directory {directory}: {exc}") from exc
+        if self.fsync:
+            for new in reversed(missing):
+                self._fsync_dir(new.parent)
+
+    # -- ObjectStore ----------------------------------------------------------------------------
+
+    def put(self, key: str, data: Buffer) -> bool:
+        path = self._path(key)
+        # Cheap check first: a duplicate push (the common case for shared prefixes) then
+        # costs one stat instead of writing the whole object again.
+        if os.path.isfile(path):
+            return False
+        self._make_parents(path.parent)
+        tmp = path.parent / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        try:
+            try:
+                # O_EXCL so two writers can never share a temp file; 0o666 so the umask,
+                # not this code, decides who else may read the objects.
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    if self.fsync:
+                        f.flush()
+                        os.fsync(f.fileno())
+                created = self._publish(tmp, path)
+                if created and self.fsync:
+                    self._fsync_dir(path.parent)
+                return created
+            except OSError as exc:
+                raise StoreError(f"put {key!r} in {self.url} failed: {exc}") from exc
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass  # already renamed into place by the fallback
+            except OSError:
+                pass  # a leftover temp file is harmless: list() skips it
+
+    def _publish(self, tmp: Path, path: Path) -> bool:
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            if path.is_dir():
+                raise StoreError(f"put: {path} is a directory, not an object") from None
+            return False
+        except OSError as exc:
+            if exc.errno not in _NO_LINK_ERRNOS:
+                raise
+            os.replace(tmp, path)
+        return True
+
+    def get(self, key: str) -> bytes:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise ObjectNotFoundError(f"{key!r} not found in {self.url}") from None
+        except OSError as exc:
+            raise StoreError(f"get {key!r} from {self.url} failed: {exc}") from exc
+
+    def head(self, key: str) -> ObjectInfo | None:
+        path = self._path(key)
+        try:
+            st = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            raise StoreError(f"head {key!r} in {self.url} failed: {exc}") from exc
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        return ObjectInfo(key=key, size=st.st_size, last_modified=st.st_mtime)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            os.unlink(path)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            pass
+        except OSError as exc:
+            raise StoreError(f"delete {key!r} from {self.url} failed: {exc}") from exc
+        # Empty directories are left in place: removing them would race with a concurrent
+        # put that has just created the directory and is about to write into it.
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        # Only walk the directory the prefix pins down; the last, partial segment is a
+        # string filter. Validating the directory part keeps the walk inside the root.
+        dir_part, _, _ = prefix.rpartition("/")
+        if dir_part:
+            validate_key(dir_part)
+        start = self.root / dir_part if dir_part else self.root
+        return self._walk(start, prefix)
+
+    def _walk(self, start: Path, prefix: str) -> Iterator[ObjectInfo]:
+        def on_error(exc: OSError) -> None:
+            # A missing start directory just means nothing was stored under the prefix.
+            if not isinstance(exc, FileNotFoundError | NotADirectoryError):
+                raise StoreError(f"list {prefix!r} in {self.url} failed: {exc}") from exc
+
+        root = str(self.root)
+        for dirpath, dirnames, filenames in os.walk(start, onerror=on_error):
+            dirnames.sort()
+            rel_dir = os.path.relpath(dirpath, root)
+            rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
+            for name in sorted(filenames):
+                if name.startswith(TMP_PREFIX):
+                    continue
+                key = rel_dir + name
+                if not key.startswith(prefix):
+                    continue
+                try:
+                    st = os.stat(os.path.join(dirpath, name))
+                except FileNotFoundError:
+                    continue  # deleted while we walked
+                except OSError as exc:
+                    raise StoreError(f"list {prefix!r} in {self.url} failed: {exc}") from exc
+                if stat.S_ISREG(st.st_mode):
+                    yield ObjectInfo(key=key, size=st.st_size, last_modified=st.st_mtime)
+
+
+__all__ = ["FileStore"]

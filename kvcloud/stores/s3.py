@@ -1,0 +1,492 @@
+"""``s3://`` object store on boto3: AWS S3, MinIO, or anything else that speaks S3.
+
+boto3 is an optional extra (``pip install kvcloud[s3]``). This module imports without it, so
+``S3Config`` can be parsed and validated anywhere; only constructing an ``S3Store`` needs it.
+Credentials always come from the normal AWS chain (env vars, profile, instance role) and never
+travel in the store URL, so the URL can be logged as is.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import closing
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode, urlsplit
+
+from ..config import _env_bool, redact_url, split_url
+from ..errors import ConfigError, ObjectNotFoundError, StoreError, StoreUnavailableError
+from .base import Buffer, ObjectInfo, ObjectStore, validate_key
+
+if TYPE_CHECKING:
+    from botocore.config import Config as BotocoreConfig
+
+INSTALL_HINT = "the s3:// store needs boto3: pip install kvcloud[s3]"
+
+# Query keys that would mean someone is trying to pass credentials in the URL. Refused with a
+# message that never repeats the value.
+_CREDENTIAL_QUERY_KEYS = {
+    "aws_access_key_id",
+    "aws_secret_access_key",
+    "aws_session_token",
+    "access_key",
+    "access_key_id",
+    "secret",
+    "secret_key",
+    "secret_access_key",
+    "session_token",
+    "token",
+    "password",
+    "key",
+}
+
+# Server-side conditions that mean "try later", not "you asked for something wrong". boto3's
+# standard retry mode already backs off on them; when they survive the retries the store is
+# unavailable rather than broken.
+_THROTTLE_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestThrottled",
+    "RequestTimeout",
+    "ServiceUnavailable",
+    "InternalError",
+}
+_CREDENTIAL_CODES = {
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "AccessDenied",
+    "ExpiredToken",
+    "InvalidToken",
+}
+
+
+@dataclass
+class S3Config:
+    """Typed options of an ``s3://bucket/prefix?option=value`` store URL.
+
+    Precedence, highest first: keyword overrides to ``from_url``, URL query options, the
+    environment variables named on each field, the defaults here.
+    """
+
+    bucket: str
+    """Bucket name. URL: ``s3://<bucket>/…``."""
+
+    prefix: str = ""
+    """Key prefix inside the bucket, without slashes at either end. URL: ``s3://bucket/<prefix>``."""
+
+    endpoint_url: str | None = field(
+        default=None,
+        metadata={"query": "endpoint_url", "env": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")},
+    )
+    """S3 endpoint for MinIO & co, e.g. ``http://minio:9000``; None means AWS itself.
+    URL: ``?endpoint_url=…``. Env: ``AWS_ENDPOINT_URL_S3``, then ``AWS_ENDPOINT_URL``."""
+
+    region: str = field(
+        default="us-east-1",
+        metadata={"query": "region", "env": ("AWS_REGION", "AWS_DEFAULT_REGION")},
+    )
+    """Signing region. URL: ``?region=…``. Env: ``AWS_REGION``, then ``AWS_DEFAULT_REGION``."""
+
+    addressing_style: str = field(default="path", metadata={"query": "addressing_style"})
+    """``path`` (``host/bucket/key``, works everywhere incl. MinIO), ``virtual`` or ``auto``.
+    URL: ``?addressing_style=…``."""
+
+    max_connections: int = field(default=16, metadata={"query": "max_connections"})
+    """HTTP connection pool size, and the size of the store's transfer thread pool: one
+    connection per thread, so parallel GETs never wait for a connection. URL:
+    ``?max_connections=…``; ``open_store(max_workers=…)`` sets it when the URL does not."""
+
+    connect_timeout: float = field(default=2.0, metadata={"query": "connect_timeout"})
+    """Seconds to establish a connection. URL: ``?connect_timeout=…``."""
+
+    read_timeout: float = field(default=10.0, metadata={"query": "read_timeout"})
+    """Seconds to wait for data once connected. URL: ``?read_timeout=…``."""
+
+    max_attempts: int = field(
+        default=5, metadata={"query": "max_attempts", "env": ("AWS_MAX_ATTEMPTS",)}
+    )
+    """Total attempts per request, the first included (botocore's ``total_max_attempts``),
+    with backoff on throttling, 5xx and connection errors. URL: ``?max_attempts=…``.
+    Env: ``AWS_MAX_ATTEMPTS``."""
+
+    conditional_put: bool = field(default=True, metadata={"query": "conditional_put"})
+    """Send ``If-None-Match: *`` so an existing object is not rewritten and ``put`` can report
+    it. Turn off for servers that reject the header. URL: ``?conditional_put=…``."""
+
+    create_bucket: bool = field(default=False, metadata={"query": "create_bucket"})
+    """Create the bucket when the store is opened if it does not exist (tests, demos).
+    URL: ``?create_bucket=…``."""
+
+    def __post_init__(self) -> None:
+        if not self.bucket or "/" in self.bucket or "@" in self.bucket:
+            raise ConfigError(f"invalid S3 bucket name {self.bucket!r}")
+        self.prefix = (self.prefix or "").strip("/")
+        if self.prefix:
+            try:
+                validate_key(self.prefix)
+            except StoreError:
+                raise ConfigError(f"invalid S3 key prefix {self.prefix[:80]!r}") from None
+        if self.endpoint_url:
+            parts = urlsplit(self.endpoint_url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ConfigError(
+                    f"endpoint_url {redact_url(self.endpoint_url)!r} must be http(s)://host[:port]"
+                )
+            if "@" in parts.netloc:
+                # Credentials in the endpoint would end up in logs and botocore's messages.
+                raise ConfigError(
+                    f"endpoint_url {redact_url(self.endpoint_url)!r} contains credentials; "
+                    "use AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile instead"
+                )
+        else:
+            self.endpoint_url = None
+        if self.addressing_style not in ("path", "virtual", "auto"):
+            raise ConfigError(
+                f"addressing_style must be path, virtual or auto, not {self.addressing_style!r}"
+            )
+        if not self.region:
+            raise ConfigError("S3 region must not be empty")
+        for name in ("max_connections", "max_attempts"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"S3 {name} must be at least 1")
+        for name in ("connect_timeout", "read_timeout"):
+            if not float(getattr(self, name)) > 0:
+                raise ConfigError(f"S3 {name} must be positive")
+
+    @classmethod
+    def from_url(
+        cls, url: str, *, env: Mapping[str, str] | None = None, **overrides: Any
+    ) -> S3Config:
+        """Parse ``s3://bucket/prefix?opt=value``. ``None`` overrides are ignored."""
+        scheme, netloc, path, query = split_url(url)
+        if scheme != "s3":
+            raise ConfigError(f"not an s3:// URL: {redact_url(url)!r}")
+        if "@" in netloc:
+            raise ConfigError(
+                f"{redact_url(url)!r}: credentials do not belong in the store URL; "
+                "use AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile"
+            )
+        if not netloc:
+            raise ConfigError(f"{redact_url(url)!r} names no bucket (s3://bucket/prefix)")
+        env = os.environ if env is None else env
+
+        by_query = {f.metadata["query"]: f for f in fields(cls) if "query" in f.metadata}
+        values: dict[str, Any] = {"bucket": netloc, "prefix": path}
+        for f in fields(cls):
+            for var in f.metadata.get("env", ()):
+                if env.get(var):
+                    values[f.name] = _convert(f.name, env[var], f"env {var}")
+                    break
+        for k, v in query.items():
+            if k.lower() in _CREDENTIAL_QUERY_KEYS:
+                raise ConfigError(
+                    f"{redact_url(url)!r}: credentials do not belong in the store URL ({k}=…); "
+                    "use AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile"
+                )
+            if k not in by_query:
+                known_options = ", ".join(sorted(by_query))
+                raise ConfigError(
+                    f"{redact_url(url)!r}: unknown option {k!r}; known: {known_options}"
+                )
+            values[by_query[k].name] = _convert(by_query[k].name, v, f"URL option {k}")
+        known = {f.name for f in fields(cls)}
+        for k, v in overrides.items():
+            if k not in known:
+                raise ConfigError(f"unknown S3 option {k!r}; known: {', '.join(sorted(known))}")
+            if v is not None:
+                values[k] = v
+        return cls(**values)
+
+    @property
+    def url(self) -> str:
+        """A canonical, credential-free URL for this configuration, safe to log."""
+        query: dict[str, str] = {}
+        if self.endpoint_url:
+            query["endpoint_url"] = redact_url(self.endpoint_url)
+        query["region"] = self.region
+        path = f"/{self.prefix}" if self.prefix else ""
+        return f"s3://{self.bucket}{path}?{urlencode(query, safe='/:')}"
+
+    def botocore_config(self) -> BotocoreConfig:
+        """The client settings this configuration implies."""
+        from botocore.config import Config
+
+        return Config(
+            region_name=self.region,
+            s3={"addressing_style": self.addressing_style},
+            # total_max_attempts counts the first try; botocore's "max_attempts" key would
+            # count only retries, which is not what the field (or AWS_MAX_ATTEMPTS) means.
+            retries={"total_max_attempts": int(self.max_attempts), "mode": "standard"},
+            connect_timeout=float(self.connect_timeout),
+            read_timeout=float(self.read_timeout),
+            max_pool_connections=int(self.max_connections),
+            # Objects carry their own digest; the newer default (CRC on every PUT, validated
+            # on GET) costs CPU and is rejected or mishandled by several S3-compatible servers.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+
+
+_CONVERTERS: dict[str, Callable[[str], Any]] = {
+    "max_connections": int,
+    "max_attempts": int,
+    "connect_timeout": float,
+    "read_timeout": float,
+    "conditional_put": _env_bool,
+    "create_bucket": _env_bool,
+}
+
+
+def _convert(name: str, raw: str, source: str) -> Any:
+    try:
+        return _CONVERTERS.get(name, str)(raw)
+    except ValueError as exc:
+        raise ConfigError(f"S3 {name} from {source}: {exc}") from None
+
+
+_loader_lock = threading.Lock()
+_shared_loader: Any = None
+
+
+def _new_botocore_session() -> Any:
+    """A fresh session (so credentials are resolved anew) that reuses parsed API models.
+
+    Loading the S3 model costs ~0.1 s per session; stores are opened often enough (one per
+    worker, one per test) for that to matter, and the parsed models never change.
+    """
+    global _shared_loader
+    try:
+        import boto3  # noqa: F401 - the extra to install; we drive botocore directly
+        import botocore.session
+    except ImportError:
+        raise ConfigError(INSTALL_HINT) from None
+    session = botocore.session.get_session()
+    with _loader_lock:
+        if _shared_loader is None:
+            _shared_loader = session.get_component("data_loader")
+        else:
+            session.register_component("data_loader", _shared_loader)
+    return session
+
+
+class S3Store(ObjectStore):
+    """Objects at ``s3://bucket/{prefix}/{key}``, through one shared (thread-safe) client."""
+
+    def __init__(self, config: S3Config) -> None:
+        session = _new_botocore_session()
+        super().__init__(max_workers=config.max_connections)
+        self.config = config
+        self.url = config.url
+        self._key_prefix = f"{config.prefix}/" if config.prefix else ""
+        self._where = redact_url(config.endpoint_url) if config.endpoint_url else "AWS S3"
+        # botocore clients are thread-safe once built, so the whole pool shares this one.
+        self._client = session.create_client(
+            "s3",
+            endpoint_url=config.endpoint_url,
+            region_name=config.region,
+            config=config.botocore_config(),
+        )
+        if config.create_bucket:
+            try:
+                self._ensure_bucket()
+            except BaseException:
+                self._client.close()  # the caller never gets the store to close
+                raise
+
+    @classmethod
+    def from_url(cls, url: str, **overrides: Any) -> S3Store:
+        return cls(S3Config.from_url(url, **overrides))
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _s3_key(self, key: str) -> str:
+        return self._key_prefix + validate_key(key)
+
+    def _error(self, op: str, key: str, exc: Exception) -> StoreError:
+        """Map a boto3 failure to our hierarchy, naming operation, key and endpoint."""
+        from botocore.exceptions import (
+            ClientError,
+            HTTPClientError,
+            IncompleteReadError,
+            NoCredentialsError,
+            PartialCredentialsError,
+        )
+        from botocore.exceptions import ConnectionError as BotoConnectionError
+
+        what = f"S3 {op} {key!r} at {self.url}"
+        if isinstance(exc, ClientError):
+            err = exc.response.get("Error", {})
+            code = str(err.get("Code", "?"))
+            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+            message = err.get("Message") or ""
+            if code == "NoSuchBucket":
+                return StoreError(
+                    f"{what}: bucket {self.config.bucket!r} does not exist at {self._where} "
+                    "(create it, or open the store with create_bucket=true)"
+                )
+            if code in _THROTTLE_CODES or status >= 500:
+                return StoreUnavailableError(
+                    f"{what}: {code} (HTTP {status}) after {self.config.max_attempts} attempts"
+                )
+            if code in _CREDENTIAL_CODES or status == 403:
+                return StoreError(
+                    f"{what}: {code} (HTTP {status}); check the AWS credentials and the "
+                    f"permissions on bucket {self.config.bucket!r}"
+                )
+            return StoreError(f"{what}: {code} (HTTP {status}) {message}".rstrip())
+        if isinstance(exc, BotoConnectionError | HTTPClientError | IncompleteReadError):
+            return StoreUnavailableError(
+                f"{what}: cannot reach {self._where}: {type(exc).__name__}: {exc}"
+            )
+        if isinstance(exc, NoCredentialsError | PartialCredentialsError):
+            return StoreError(
+                f"{what}: no usable AWS credentials (set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or run with an instance role)"
+            )
+        return StoreError(f"{what}: {type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def _status(exc: Exception) -> tuple[str, int]:
+        response = getattr(exc, "response", None) or {}
+        code = str(response.get("Error", {}).get("Code", ""))
+        status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        return code, status
+
+    def _ensure_bucket(self) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        bucket = self.config.bucket
+        try:
+            self._client.head_bucket(Bucket=bucket)
+            return
+        except ClientError as exc:
+            if self._status(exc)[1] != 404:
+                raise self._error("head_bucket", bucket, exc) from exc
+        except BotoCoreError as exc:
+            raise self._error("head_bucket", bucket, exc) from exc
+        kwargs: dict[str, Any] = {"Bucket": bucket}
+        # us-east-1 is the one region that rejects an explicit LocationConstraint.
+        if self.config.region != "us-east-1":
+            kwargs["CreateBucketConfiguration"] = {"LocationConstraint": self.config.region}
+        try:
+            self._client.create_bucket(**kwargs)
+        except ClientError as exc:
+            # Another worker created it between our HEAD and CREATE: that is success.
+            if self._status(exc)[0] not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise self._error("create_bucket", bucket, exc) from exc
+        except BotoCoreError as exc:
+            raise self._error("create_bucket", bucket, exc) from exc
+
+    # -- ObjectStore ----------------------------------------------------------------------------
+
+    def put(self, key: str, data: Buffer) -> bool:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        s3_key = self._s3_key(key)
+        # botocore takes bytes or a file, not arbitrary buffers.
+        body = data if isinstance(data, bytes) else bytes(data)
+        kwargs: dict[str, Any] = {"Bucket": self.config.bucket, "Key": s3_key, "Body": body}
+        if self.config.conditional_put:
+            kwargs["IfNoneMatch"] = "*"
+        try:
+            self._client.put_object(**kwargs)
+        except ClientError as exc:
+            code, status = self._status(exc)
+            # 412: the object exists. 409: a concurrent conditional PUT of the same key is in
+            # flight; content addressing means it carries the same bytes, so "exists" is
+            # the right answer (and if that writer fails, the index entry is only a hint).
+            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (
+                409,
+                412,
+            ):
+                return False
+            raise self._error("put", key, exc) from exc
+        except BotoCoreError as exc:
+            raise self._error("put", key, exc) from exc
+        # Servers that ignore If-None-Match overwrite with identical bytes and say 200.
+        return True
+
+    def get(self, key: str) -> bytes:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        s3_key = self._s3_key(key)
+        try:
+            response = self._client.get_object(Bucket=self.config.bucket, Key=s3_key)
+            with closing(response["Body"]) as body:
+                # StreamingBody.read() checks Content-Length, so a cut-off transfer raises
+                # IncompleteReadError instead of returning short data.
+                return body.read()
+        except ClientError as exc:
+            code, status = self._status(exc)
+            if code in ("NoSuchKey", "404", "NotFound") or (
+                status == 404 and code != "NoSuchBucket"
+            ):
+                raise ObjectNotFoundError(f"{key!r} not found in {self.url}") from None
+            raise self._error("get", key, exc) from exc
+        except BotoCoreError as exc:
+            raise self._error("get", key, exc) from exc
+
+    def head(self, key: str) -> ObjectInfo | None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        s3_key = self._s3_key(key)
+        try:
+            response = self._client.head_object(Bucket=self.config.bucket, Key=s3_key)
+        except ClientError as exc:
+            # HEAD responses have no body, so a missing bucket is also a bare 404 here and
+            # reads as "absent"; get/put/list report it properly.
+            if self._status(exc)[1] == 404:
+                return None
+            raise self._error("head", key, exc) from exc
+        except BotoCoreError as exc:
+            raise self._error("head", key, exc) from exc
+        return ObjectInfo(
+            key=key,
+            size=int(response["ContentLength"]),
+            last_modified=response["LastModified"].timestamp(),
+        )
+
+    def delete(self, key: str) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        s3_key = self._s3_key(key)
+        try:
+            # S3 answers 204 for absent keys too, which gives idempotence for free.
+            self._client.delete_object(Bucket=self.config.bucket, Key=s3_key)
+        except ClientError as exc:
+            if self._status(exc)[0] in ("NoSuchKey",):
+                return
+            raise self._error("delete", key, exc) from exc
+        except BotoCoreError as exc:
+            raise self._error("delete", key, exc) from exc
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        return self._list(prefix)
+
+    def _list(self, prefix: str) -> Iterator[ObjectInfo]:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        cut = len(self._key_prefix)
+        paginator = self._client.get_paginator("list_objects_v2")
+        try:
+            pages = paginator.paginate(Bucket=self.config.bucket, Prefix=self._key_prefix + prefix)
+            for page in pages:
+                for obj in page.get("Contents", ()):
+                    yield ObjectInfo(
+                        key=obj["Key"][cut:],
+                        size=int(obj["Size"]),
+                        last_modified=obj["LastModified"].timestamp(),
+                    )
+        except (ClientError, BotoCoreError) as exc:
+            raise self._error("list", prefix, exc) from exc
+
+    def close(self) -> None:
+        super().close()
+        # Drops the pooled connections now instead of whenever the client is collected.
+        self._client.close()
+
+
+__all__ = ["S3Config", "S3Store"]

@@ -1,0 +1,281 @@
+"""The Index contract, written once. Every backend runs it by subclassing IndexContract.
+
+A subclass provides a ``make_index`` fixture: a factory ``(ttl_seconds=...) -> Index`` over
+one shared, initially empty backing store (each call opens a new client onto the same data;
+the fixture closes them). The ``index`` fixture is built from it; a subclass may override
+either.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvcloud.indexes.base import DEFAULT_TTL_SECONDS, EntryRecord, Index, IndexEntry
+
+IndexFactory = Callable[..., Index]
+
+NS = "ns0123456789abcdef"
+OTHER_NS = "nsfedcba9876543210"
+
+
+def fp(i: int) -> str:
+    return f"{i:064x}"
+
+
+def entry(i: int, *, key: str | None = None) -> IndexEntry:
+    return IndexEntry(
+        object_key=key or f"segments/{NS}/{i:02x}/{i:064x}",
+        n_tokens=256,
+        size=1000 + i,
+        created=1_700_000_000.0 + i,
+    )
+
+
+class IndexContract:
+    @pytest.fixture
+    def make_index(self) -> IndexFactory:
+        pytest.skip("this backend provides no index factory")
+
+    @pytest.fixture
+    def index(self, make_index: IndexFactory) -> Iterator[Index]:
+        idx = make_index(ttl_seconds=DEFAULT_TTL_SECONDS)
+        yield idx
+        idx.close()
+
+    # -- register and lookup ----------------------------------------------------------------
+
+    def test_register_then_lookup(self, index: Index) -> None:
+        assert index.register(NS, fp(1), entry(1)) is True
+        assert index.lookup(NS, [fp(1)]) == [entry(1)]
+
+    def test_register_is_set_nx(self, index: Index) -> None:
+        assert index.register(NS, fp(1), entry(1)) is True
+        assert index.register(NS, fp(1), entry(2, key="segments/other")) is False
+        assert index.lookup(NS, [fp(1)]) == [entry(1)]
+
+    @pytest.mark.parametrize("n", [0, 1, 3, 128])
+    def test_lookup_order_and_misses(self, index: Index, n: int) -> None:
+        present = {i for i in range(n) if i % 3 != 1}
+        for i in present:
+            assert index.register(NS, fp(i), entry(i))
+        got = index.lookup(NS, [fp(i) for i in range(n)])
+        assert got == [entry(i) if i in present else None for i in range(n)]
+
+    def test_lookup_repeated_fps(self, index: Index) -> None:
+        index.register(NS, fp(1), entry(1))
+        assert index.lookup(NS, [fp(1), fp(2), fp(1)]) == [entry(1), None, entry(1)]
+
+    def test_namespaces_isolate(self, index: Index) -> None:
+        assert index.register(NS, fp(7), entry(7))
+        assert index.lookup(OTHER_NS, [fp(7)]) == [None]
+        assert index.register(OTHER_NS, fp(7), entry(8)) is True
+        assert index.lookup(NS, [fp(7)]) == [entry(7)]
+        assert index.lookup(OTHER_NS, [fp(7)]) == [entry(8)]
+        assert index.drop(OTHER_NS, fp(7)) is True
+        assert index.lookup(NS, [fp(7)]) == [entry(7)]
+
+    def test_hostile_namespace_strings_do_not_collide(self, index: Index) -> None:
+        # Naively joined with ':' these would name the same key.
+        assert index.register("a:b", "cd", entry(1))
+        assert index.register("a", "b:cd", entry(2))
+        assert index.register("*", "cd", entry(3))
+        assert index.lookup("a:b", ["cd"]) == [entry(1)]
+        assert index.lookup("a", ["b:cd"]) == [entry(2)]
+        assert index.lookup("a", ["b"]) == [None]
+        assert index.count_entries("*") == 1
+        assert index.count_entries("a") == 1
+        assert {(r.ns, r.fp) for r in index.iter_entries()} == {
+            ("a:b", "cd"),
+            ("a", "b:cd"),
+            ("*", "cd"),
+        }
+
+    # -- drop -------------------------------------------------------------------------------
+
+    def test_drop(self, index: Index) -> None:
+        index.register(NS, fp(1), entry(1))
+        assert index.drop(NS, fp(1)) is True
+        assert index.lookup(NS, [fp(1)]) == [None]
+        assert index.drop(NS, fp(1)) is False
+        assert index.register(NS, fp(1), entry(2)) is True
+
+    def test_compare_and_drop(self, index: Index) -> None:
+        index.register(NS, fp(1), entry(1))
+        assert index.drop(NS, fp(1), object_key="segments/not-this-one") is False
+        assert index.lookup(NS, [fp(1)]) == [entry(1)]
+        assert index.drop(NS, fp(1), object_key=entry(1).object_key) is True
+        assert index.lookup(NS, [fp(1)]) == [None]
+        assert index.drop(NS, fp(1), object_key=entry(1).object_key) is False
+
+    # -- expiry -----------------------------------------------------------------------------
+
+    def test_sliding_ttl(self, make_index: IndexFactory) -> None:
+        idx = make_index(ttl_seconds=1)
+        assert idx.register(NS, fp(1), entry(1))
+        assert idx.register(NS, fp(2), entry(2))
+        time.sleep(0.6)
+        # A hit renews the TTL: fp(1) is looked up, fp(2) is not.
+        assert idx.lookup(NS, [fp(1)]) == [entry(1)]
+        time.sleep(0.6)  # 1.2 s since registration: only a renewed entry is still there
+        assert idx.lookup(NS, [fp(1), fp(2)]) == [entry(1), None]
+        time.sleep(1.2)  # longer than the TTL with no lookup in between
+        assert idx.lookup(NS, [fp(1)]) == [None]
+        assert idx.count_entries() == 0
+        assert list(idx.iter_entries()) == []
+        # An expired entry counts as absent: registering over it succeeds.
+        assert idx.register(NS, fp(1), entry(3)) is True
+        assert idx.lookup(NS, [fp(1)]) == [entry(3)]
+        assert idx.drop(NS, fp(2)) is False
+
+    def test_session_ttl(self, make_index: IndexFactory) -> None:
+        idx = make_index(ttl_seconds=DEFAULT_TTL_SECONDS)
+        idx.put_session("t", "short", b"x", ttl_seconds=1)
+        idx.put_session("t", "forever", b"y")
+        assert idx.get_session("t", "short") == b"x"
+        time.sleep(1.1)
+        assert idx.get_session("t", "short") is None
+        assert idx.delete_session("t", "short") is False
+        assert list(idx.iter_sessions()) == [("t", "forever", b"y")]
+
+    # -- counters ---------------------------------------------------------------------------
+
+    def test_counters_add_up(self, index: Index) -> None:
+        assert index.counters() == {}
+        index.incr({"hits": 2, "bytes_pulled": 100})
+        index.register(NS, fp(1), entry(1))
+        assert index.lookup(NS, [fp(1), fp(2)], counters={"hits": 1, "misses": 1}) == [
+            entry(1),
+            None,
+        ]
+        index.lookup(NS, [], counters={"misses": 4})
+        index.incr({})
+        assert index.counters() == {"hits": 3, "bytes_pulled": 100, "misses": 5}
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    def test_sessions(self, index: Index) -> None:
+        assert index.get_session("tenant-a", "s1") is None
+        index.put_session("tenant-a", "s1", b"one")
+        assert index.get_session("tenant-a", "s1") == b"one"
+        index.put_session("tenant-a", "s1", b"two")  # replace
+        assert index.get_session("tenant-a", "s1") == b"two"
+        index.put_session("tenant-a", "s2", b"\x00\xff" * 1000)
+        assert sorted(index.iter_sessions()) == [
+            ("tenant-a", "s1", b"two"),
+            ("tenant-a", "s2", b"\x00\xff" * 1000),
+        ]
+        assert index.delete_session("tenant-a", "s1") is True
+        assert index.delete_session("tenant-a", "s1") is False
+        assert index.get_session("tenant-a", "s1") is None
+        assert list(index.iter_sessions()) == [("tenant-a", "s2", b"\x00\xff" * 1000)]
+
+    def test_replacing_a_session_clears_its_ttl(self, index: Index) -> None:
+        index.put_session("t", "s", b"a", ttl_seconds=1)
+        index.put_session("t", "s", b"b")
+        time.sleep(1.1)
+        assert index.get_session("t", "s") == b"b"
+
+    def test_session_scopes_isolate(self, index: Index) -> None:
+        index.put_session("tenant-a", "same", b"a")
+        index.put_session("tenant-b", "same", b"b")
+        assert index.get_session("tenant-a", "same") == b"a"
+        assert index.get_session("tenant-b", "same") == b"b"
+        assert index.delete_session("tenant-a", "same") is True
+        assert index.get_session("tenant-b", "same") == b"b"
+
+    def test_hostile_session_strings_do_not_collide(self, index: Index) -> None:
+        pairs = [
+            ("a:b", "c"),
+            ("a", "b:c"),
+            ("a", "*"),
+            ("*", "a"),
+            ("a*", "x"),
+            ("a%3Ab", "c"),
+            ("{tag}", "x"),
+            ("", "a:b:c"),
+            ("a:b:c", ""),
+        ]
+        for i, (scope, sid) in enumerate(pairs):
+            index.put_session(scope, sid, f"record-{i}".encode())
+        for i, (scope, sid) in enumerate(pairs):
+            assert index.get_session(scope, sid) == f"record-{i}".encode()
+        assert index.get_session("a", "b") is None
+        assert index.get_session("a", "x") is None
+        assert sorted(index.iter_sessions()) == sorted(
+            (scope, sid, f"record-{i}".encode()) for i, (scope, sid) in enumerate(pairs)
+        )
+        assert index.delete_session("a", "*") is True
+        assert index.get_session("a", "b:c") == b"record-1"
+        assert index.get_session("*", "a") == b"record-3"
+
+    # -- listing ----------------------------------------------------------------------------
+
+    def test_iter_and_count_entries_by_ns(self, index: Index) -> None:
+        for i in range(5):
+            index.register(NS, fp(i), entry(i))
+        for i in range(3):
+            index.register(OTHER_NS, fp(i), entry(100 + i))
+        assert index.count_entries() == 8
+        assert index.count_entries(NS) == 5
+        assert index.count_entries(OTHER_NS) == 3
+        assert index.count_entries("nobody") == 0
+        before = time.time()
+        records = sorted(index.iter_entries(NS), key=lambda r: r.fp)
+        assert [(r.ns, r.fp, r.entry) for r in records] == [(NS, fp(i), entry(i)) for i in range(5)]
+        for r in records:
+            assert isinstance(r, EntryRecord)
+            assert r.expires_at is not None
+            assert before < r.expires_at <= time.time() + index.ttl_seconds + 1
+        assert {r.ns for r in index.iter_entries()} == {NS, OTHER_NS}
+        assert list(index.iter_entries("nobody")) == []
+
+    def test_iter_entries_allows_use_while_iterating(self, index: Index) -> None:
+        for i in range(20):
+            index.register(NS, fp(i), entry(i))
+        seen = 0
+        for record in index.iter_entries(NS):
+            index.lookup(NS, [record.fp])
+            seen += 1
+        assert seen == 20
+
+    # -- health and concurrency -------------------------------------------------------------
+
+    def test_ping(self, index: Index) -> None:
+        latency = index.ping()
+        assert isinstance(latency, float)
+        assert latency > 0
+
+    def test_context_manager_and_repr(self, make_index: IndexFactory) -> None:
+        with make_index() as idx:
+            assert idx.ping() > 0
+            assert type(idx).__name__ in repr(idx)
+
+    def test_concurrent_register_exactly_one_wins(self, index: Index) -> None:
+        n_threads = 16
+        barrier = threading.Barrier(n_threads)
+        results: list[bool] = []
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+
+        def worker(i: int) -> None:
+            try:
+                barrier.wait()
+                ok = index.register(NS, fp(42), entry(i, key=f"segments/writer-{i}"))
+                with lock:
+                    results.append(ok)
+            except BaseException as exc:  # surfaced in the main thread below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(n_threads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert sorted(results) == [False] * (n_threads - 1) + [True]
+        (winner,) = index.lookup(NS, [fp(42)])
+        assert winner is not None and winner.object_key.startswith("segments/writer-")

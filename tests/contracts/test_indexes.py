@@ -1,0 +1,139 @@
+"""Runs the Index contract against every backend, plus open_index's URL dispatch."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import kvcloud.indexes
+from kvcloud.errors import ConfigError
+from kvcloud.indexes import IndexEntry, RedisIndex, SQLiteIndex, open_index
+from kvcloud.indexes.base import DEFAULT_TTL_SECONDS, Index
+from tests.contracts.index_contract import IndexContract, IndexFactory
+
+
+class TestSQLiteIndex(IndexContract):
+    @pytest.fixture
+    def make_index(self, tmp_path: Path) -> Iterator[IndexFactory]:
+        opened: list[Index] = []
+
+        def factory(ttl_seconds: int = DEFAULT_TTL_SECONDS) -> Index:
+            idx = SQLiteIndex(tmp_path / "db" / "index.db", ttl_seconds)
+            opened.append(idx)
+            return idx
+
+        yield factory
+        for idx in opened:
+            idx.close()
+
+
+@pytest.mark.integration
+class TestRedisIndex(IndexContract):
+    @pytest.fixture
+    def make_index(self, redis_url: str) -> Iterator[IndexFactory]:
+        opened: list[Index] = []
+
+        def factory(ttl_seconds: int = DEFAULT_TTL_SECONDS) -> Index:
+            idx = RedisIndex(redis_url, ttl_seconds)
+            opened.append(idx)
+            return idx
+
+        yield factory
+        for idx in opened:
+            idx.close()
+
+
+@pytest.mark.integration
+class TestRedisIndexWithPrefix(TestRedisIndex):
+    """A glob character in the prefix must not widen SCAN patterns to other prefixes."""
+
+    @pytest.fixture
+    def make_index(self, redis_url: str) -> Iterator[IndexFactory]:
+        opened: list[Index] = []
+        # Data under a neighbouring prefix that a badly escaped pattern would pick up.
+        neighbour = RedisIndex(redis_url, prefix="kv-other")
+        neighbour.register("ns0123456789abcdef", "00", IndexEntry("segments/neighbour", 1, 1, 0.0))
+        neighbour.put_session("tenant-a", "s1", b"neighbour")
+        neighbour.incr({"hits": 1000})
+        opened.append(neighbour)
+
+        def factory(ttl_seconds: int = DEFAULT_TTL_SECONDS) -> Index:
+            idx = RedisIndex(redis_url + "?prefix=kv*", ttl_seconds)
+            opened.append(idx)
+            return idx
+
+        yield factory
+        for idx in opened:
+            idx.close()
+
+
+# -- open_index ------------------------------------------------------------------------------
+
+
+def test_open_index_sqlite_absolute(tmp_path: Path) -> None:
+    path = tmp_path / "a" / "b" / "index.db"
+    with open_index(f"sqlite://{path}", ttl_seconds=60) as idx:
+        assert isinstance(idx, SQLiteIndex)
+        assert idx.path == str(path)
+        assert idx.ttl_seconds == 60
+        assert idx.ping() > 0
+    assert path.exists()
+
+
+def test_open_index_sqlite_relative(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with open_index("sqlite://rel/index.db?ttl=5") as idx:
+        assert isinstance(idx, SQLiteIndex)
+        assert idx.path == "rel/index.db"
+        assert idx.ttl_seconds == 5
+    assert (tmp_path / "rel" / "index.db").exists()
+
+
+@pytest.mark.integration
+def test_open_index_redis(redis_url: str) -> None:
+    with open_index(redis_url + "?prefix=abc&ttl=30", ttl_seconds=99) as idx:
+        assert isinstance(idx, RedisIndex)
+        assert idx.prefix == "abc"
+        assert idx.ttl_seconds == 30
+        assert idx.ping() > 0
+    with open_index(redis_url, ttl_seconds=99) as idx:
+        assert isinstance(idx, RedisIndex)
+        assert idx.prefix == "kvc"
+        assert idx.ttl_seconds == 99
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "memcached://localhost:11211",
+        "sqlite://",
+        "sqlite:///x.db?ttl=abc",
+        "sqlite:///x.db?ttl=0",
+        "redis://localhost:6379/0?ttl=-1",
+        "redis://localhost:6379/0?prefix={tag}",
+        "no-scheme",
+    ],
+)
+def test_open_index_rejects_bad_urls(url: str) -> None:
+    with pytest.raises(ConfigError):
+        open_index(url)
+
+
+def test_unknown_scheme_lists_known_ones() -> None:
+    with pytest.raises(ConfigError, match=r"sqlite://.*redis://.*rediss://"):
+        open_index("mongodb://example")
+
+
+def test_missing_redis_py_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Simulate an install without the [redis] extra.
+    monkeypatch.setitem(sys.modules, "redis", None)
+    monkeypatch.delitem(sys.modules, "kvcloud.indexes.redis", raising=False)
+    monkeypatch.delattr(kvcloud.indexes, "redis", raising=False)
+    with pytest.raises(ConfigError, match=r"pip install kvcloud\[redis\]"):
+        open_index("redis://localhost:6379/0")
+    # the embedded default keeps working without it
+    with open_index("sqlite://:memory:") as idx:
+        assert idx.ping() > 0

@@ -1,0 +1,126 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcloud import KVCloud
+from kvcloud.cli import main
+from tests.helpers import make_kv, make_ns, make_tokens
+
+
+def test_estimate_prints_the_seed_example_exactly(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "estimate",
+        "--layers",
+        "32",
+        "--tokens",
+        "8192",
+        "--kv-dim",
+        "512",
+        "--bytes-per-element",
+        "1",
+    ]
+    assert main(argv) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == "268,435,456 bytes = 0.25 GiB = 0.27 GB"
+    assert main([*argv, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["bytes"] == 268_435_456 and d["gib"] == 0.25 and round(d["gb"], 2) == 0.27
+
+
+def test_estimate_from_model_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--model", "small", "--tokens", "4096", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["bytes_per_token"] == 12 * 1024 and d["bytes"] == 48 * 2**20
+    assert (
+        main(["estimate", "--model", "llama-3-8b", "--tokens", "1", "--dtype", "int8", "--json"])
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out)["bytes"] == 32 * 1024 * 2
+
+
+def test_estimate_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--tokens", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--layers" in err and "Traceback" not in err
+    assert main(["estimate", "--model", "nope", "--tokens", "5"]) == 2
+
+
+@pytest.fixture
+def populated(tmp_path: Path) -> tuple[str, str, list[str], str]:
+    store, index = f"file://{tmp_path / 'o'}", f"sqlite://{tmp_path / 'i.db'}"
+    ns = make_ns()
+    with KVCloud.open(store=store, index=index) as kv:
+        toks = make_tokens(40)
+        res = kv.push(ns, toks, make_kv(ns, 40))
+        fp = kv.fingerprints(ns, toks)[0].hex()
+        kv.pull(kv.lookup(ns, toks))
+    return store, index, res.keys, fp
+
+
+def test_stats_ls_inspect_json(populated, capsys: pytest.CaptureFixture[str]) -> None:
+    store, index, keys, fp = populated
+    common = ["--store", store, "--index", index, "--json"]
+    assert main(["stats", *common]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["entries"] == 2 and s["objects"] == 2 and s["object_bytes"] == s["entry_bytes"]
+    assert s["counters"]["lookups"] == 1 and s["counters"]["chunks_hit"] == 2
+    assert main(["ls", *common]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert sorted(r["object_key"] for r in rows) == sorted(keys)
+    assert main(["inspect", keys[0], *common]) == 0
+    obj = json.loads(capsys.readouterr().out)["objects"][0]
+    assert obj["digest_ok"] and obj["header"]["n_tokens"] == 16
+    assert main(["inspect", fp, *common]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["entries"][0]["fp"] == fp and d["objects"][0]["key"] == keys[0]
+
+
+def test_inspect_reports_corruption(populated, capsys: pytest.CaptureFixture[str]) -> None:
+    store, index, keys, _ = populated
+    path = Path(store.removeprefix("file://")) / keys[0]
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    assert main(["inspect", keys[0], "--store", store, "--index", index, "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["objects"][0]["digest_ok"] is False
+
+
+def test_human_output_and_env_vars(populated, monkeypatch: pytest.MonkeyPatch) -> None:
+    store, index, _, _ = populated
+    env = {"KVCLOUD_STORE": store, "KVCLOUD_INDEX": index, "PATH": "/usr/bin:/bin"}
+    for cmd in (["stats"], ["ls"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "kvcloud.cli", *cmd],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert make_ns().id[:12] in out
+
+
+def test_unreachable_index_is_one_clear_line(tmp_path: Path) -> None:
+    from tests.servers import free_port
+
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvcloud.cli",
+            "stats",
+            "--no-store",
+            "--index",
+            f"redis://:hunter2@127.0.0.1:{free_port()}/0",
+        ],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "KVCLOUD_CONNECT_TIMEOUT": "0.5"},
+    )
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and "hunter2" not in r.stderr
+    assert r.stderr.strip().count("\n") == 0 and "127.0.0.1" in r.stderr
