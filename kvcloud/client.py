@@ -113,8 +113,9 @@ class SessionRecord:
     session_id: str
     ns: str
     tokens: np.ndarray  # uint32 token history
-    chunk_keys: tuple[str, ...]  # one per full chunk of ``tokens``
-    tail_key: str | None  # the partial last chunk, if any
+    kv_tokens: int  # how many leading tokens have stored KV (the last sampled one has none)
+    chunk_keys: tuple[str, ...]  # one per full chunk of the first kv_tokens tokens
+    tail_key: str | None  # the partial chunk after them, if kv_tokens is not chunk-aligned
     updated: float
     meta: dict[str, Any]
 
@@ -540,28 +541,79 @@ class KVCloud:
         ttl_seconds: int | None = None,
     ) -> SessionRecord:
         """Push every full chunk and the partial tail, then write the session record
-        (object before record, as for entries). ``kv_array`` covers all of ``tokens``."""
+        (objects before the record, as for entries). ``kv_array`` holds the KV of the first
+        ``kv_array.shape[2]`` tokens (all of them, or all but the last sampled one)."""
         self._check_session_id(session_id)
         t = self._tenant(tenant)
         toks = tokens_array(tokens)
-        arr = ns.check_array(kv_array, len(toks))
-        res = self.push(ns, toks, arr, t)
+        arr = ns.check_array(kv_array)
+        kv_tokens = arr.shape[2]
+        if kv_tokens > len(toks):
+            raise LayoutError(f"kv_array holds {kv_tokens} tokens, the session {len(toks)}")
+        res = self.push(ns, toks[:kv_tokens], arr, t)
         c = ns.chunk_tokens
-        n_full = len(toks) // c
+        n_full = kv_tokens // c
         tail_key = None
-        if len(toks) % c:
-            fps = self.fingerprints(ns, toks[: n_full * c], t)
-            parent = fps[-1] if fps else ns.digest
-            tfp = tail_fingerprint(ns, parent, toks[n_full * c :], self.tenant_key(t))
-            seg = encode_segment(ns, tfp, parent, arr[:, :, n_full * c :], codec=self.config.codec)
-            tail_key = seg.key()
-            if self.store.put(tail_key, seg.data):
-                self._count(objects_written=1, bytes_pushed=len(seg.data))
+        if kv_tokens % c:
+            parent = self.fingerprints(ns, toks[: n_full * c], t)[-1] if n_full else ns.digest
+            tail_key = self.store_tail(
+                ns, parent, toks[n_full * c : kv_tokens], arr[:, :, n_full * c :], t
+            )
+        return self.write_session(
+            ns,
+            session_id,
+            toks,
+            kv_tokens,
+            res.keys,
+            tail_key,
+            t,
+            meta=meta,
+            ttl_seconds=ttl_seconds,
+        )
+
+    def store_tail(
+        self,
+        ns: Namespace,
+        parent: bytes,
+        tail_tokens: Sequence[int] | np.ndarray,
+        tail_kv: np.ndarray,
+        tenant: str | None = None,
+    ) -> str:
+        """Store a partial chunk (no index entry: only session records point at it)."""
+        tfp = tail_fingerprint(ns, parent, tail_tokens, self.tenant_key(tenant))
+        seg = encode_segment(ns, tfp, parent, tail_kv, codec=self.config.codec)
+        key = seg.key()
+        if self.store.put(key, seg.data):
+            self._count(objects_written=1, bytes_pushed=len(seg.data))
+        return key
+
+    def write_session(
+        self,
+        ns: Namespace,
+        session_id: str,
+        tokens: Sequence[int] | np.ndarray,
+        kv_tokens: int,
+        chunk_keys: Sequence[str],
+        tail_key: str | None,
+        tenant: str | None = None,
+        *,
+        meta: Mapping[str, Any] | None = None,
+        ttl_seconds: int | None = None,
+    ) -> SessionRecord:
+        """Write the record for objects already stored (the worker's flush path)."""
+        self._check_session_id(session_id)
+        toks = tokens_array(tokens)
+        c = ns.chunk_tokens
+        if not 0 <= kv_tokens <= len(toks) or len(chunk_keys) != kv_tokens // c:
+            raise LayoutError("chunk keys do not cover the session's KV tokens")
+        if (tail_key is None) != (kv_tokens % c == 0):
+            raise LayoutError("a tail key is needed exactly when kv_tokens is not chunk-aligned")
         record = SessionRecord(
             session_id=session_id,
             ns=ns.id,
-            tokens=toks.copy(),
-            chunk_keys=tuple(res.keys),
+            tokens=toks.astype("<u4", copy=True),
+            kv_tokens=kv_tokens,
+            chunk_keys=tuple(chunk_keys),
             tail_key=tail_key,
             updated=time.time(),
             meta=dict(meta or {}),
@@ -570,7 +622,8 @@ class KVCloud:
             {
                 "v": SESSION_RECORD_VERSION,
                 "ns": record.ns,
-                "tokens": record.tokens.astype("<u4").tobytes(),
+                "tokens": record.tokens.tobytes(),
+                "kv_tokens": record.kv_tokens,
                 "chunks": list(record.chunk_keys),
                 "tail": record.tail_key,
                 "updated": record.updated,
@@ -578,7 +631,7 @@ class KVCloud:
             },
             use_bin_type=True,
         )
-        self.index.put_session(self.session_scope(t), session_id, payload, ttl_seconds)
+        self.index.put_session(self.session_scope(tenant), session_id, payload, ttl_seconds)
         return record
 
     def load_session(
@@ -598,8 +651,9 @@ class KVCloud:
                 session_id=session_id,
                 ns=str(d["ns"]),
                 tokens=toks,
+                kv_tokens=int(d["kv_tokens"]),
                 chunk_keys=tuple(str(k) for k in d["chunks"]),
-                tail_key=d["tail"],
+                tail_key=None if d["tail"] is None else str(d["tail"]),
                 updated=float(d["updated"]),
                 meta=dict(d.get("meta") or {}),
             )
@@ -607,48 +661,88 @@ class KVCloud:
             raise CorruptObjectError(f"session record {session_id!r} is malformed: {exc}") from None
         if record.ns != ns.id:
             raise SessionNotFoundError(f"session {session_id!r} belongs to another namespace")
-        if len(record.chunk_keys) != len(toks) // ns.chunk_tokens:
-            raise CorruptObjectError(f"session record {session_id!r} lists the wrong chunks")
+        c = ns.chunk_tokens
+        if (
+            not 0 <= record.kv_tokens <= len(toks)
+            or len(record.chunk_keys) != record.kv_tokens // c
+            or (record.tail_key is None) != (record.kv_tokens % c == 0)
+        ):
+            raise CorruptObjectError(f"session record {session_id!r} lists the wrong objects")
         return record
+
+    def session_match(
+        self, ns: Namespace, record: SessionRecord, tenant: str | None = None
+    ) -> Match:
+        """A Match over the record's full chunks (pull it with pull/pull_into). Fingerprints
+        are recomputed from the record's tokens, so every object is verified as usual."""
+        t = self._tenant(tenant)
+        c = ns.chunk_tokens
+        n_full = record.kv_tokens // c
+        fps = self.fingerprints(ns, record.tokens[: n_full * c], t)
+        parents = [ns.digest, *fps[:-1]]
+        refs = tuple(
+            ChunkRef(i, fps[i], parents[i], IndexEntry(record.chunk_keys[i], c, 0, 0.0))
+            for i in range(n_full)
+        )
+        return Match(ns, t, refs, n_full)
+
+    def pull_tail(
+        self, ns: Namespace, record: SessionRecord, out: np.ndarray, tenant: str | None = None
+    ) -> int:
+        """Fill ``out`` (at least the tail's length on axis 2) with the session's partial
+        chunk; returns its token count, or 0 if there is none or it is missing/corrupt."""
+        if record.tail_key is None:
+            return 0
+        t = self._tenant(tenant)
+        c = ns.chunk_tokens
+        n_full = record.kv_tokens // c
+        n_tail = record.kv_tokens - n_full * c
+        parent = self.fingerprints(ns, record.tokens[: n_full * c], t)[-1] if n_full else ns.digest
+        tfp = tail_fingerprint(
+            ns, parent, record.tokens[n_full * c : record.kv_tokens], self.tenant_key(t)
+        )
+        try:
+            data = self.store.get(record.tail_key)
+            decode_segment(
+                data,
+                digest=digest_from_key(record.tail_key),
+                ns=ns,
+                fp=tfp,
+                parent=parent,
+                n_tokens=n_tail,
+                out=ns.check_array(out)[:, :, :n_tail],
+            )
+        except ObjectNotFoundError:
+            self._count(missing_objects=1)
+            return 0
+        except CorruptObjectError as exc:
+            log.warning("session tail %s failed verification: %s", record.tail_key, exc)
+            self._count(verify_failures=1)
+            return 0
+        except (StoreError, OSError) as exc:
+            log.warning("session tail %s could not be fetched: %s", record.tail_key, exc)
+            self._count(store_errors=1)
+            return 0
+        self._count(bytes_pulled=len(data), tokens_restored=n_tail)
+        return n_tail
 
     def pull_session(
         self, ns: Namespace, record: SessionRecord, tenant: str | None = None
     ) -> PullResult:
-        """KV of a session's history, verified chunk by chunk; stops at the first bad one."""
-        t = self._tenant(tenant)
-        toks = record.tokens
+        """KV of a session's first ``kv_tokens`` tokens, verified chunk by chunk; stops at
+        the first missing or bad object."""
+        m = self.session_match(ns, record, tenant)
         c = ns.chunk_tokens
-        n_full = len(toks) // c
-        fps = self.fingerprints(ns, toks[: n_full * c], t)
-        parents = [ns.digest, *fps[:-1]]
-        refs = [
-            ChunkRef(i, fps[i], parents[i], IndexEntry(record.chunk_keys[i], c, 0, 0.0))
-            for i in range(n_full)
-        ]
-        m = Match(ns, t, tuple(refs), n_full)
-        out = np.empty(ns.kv_shape(len(toks)), dtype=ns.dtype_info.storage)
-        dests = [out[:, :, i * c : (i + 1) * c] for i in range(n_full)]
+        out = np.empty(ns.kv_shape(record.kv_tokens), dtype=ns.dtype_info.storage)
+        dests = [out[:, :, i * c : (i + 1) * c] for i in range(len(m.chunks))]
         n_ok, failures, nbytes = self._pull_into(m, dests)
         tokens_ok = n_ok * c
-        if n_ok == n_full and record.tail_key:
-            parent = fps[-1] if fps else ns.digest
-            tfp = tail_fingerprint(ns, parent, toks[n_full * c :], self.tenant_key(t))
-            try:
-                data = self.store.get(record.tail_key)
-                decode_segment(
-                    data,
-                    digest=digest_from_key(record.tail_key),
-                    ns=ns,
-                    fp=tfp,
-                    parent=parent,
-                    n_tokens=len(toks) - n_full * c,
-                    out=out[:, :, n_full * c :],
-                )
-                tokens_ok = len(toks)
-                nbytes += len(data)
-            except (KVCloudError, OSError) as exc:
-                failures.append((n_full, f"tail:{type(exc).__name__}"))
-                self._count(verify_failures=1)
+        if n_ok == len(m.chunks) and record.tail_key is not None:
+            n_tail = self.pull_tail(ns, record, out[:, :, tokens_ok:], tenant)
+            if n_tail:
+                tokens_ok += n_tail
+            else:
+                failures.append((len(m.chunks), "tail"))
         return PullResult(out[:, :, :tokens_ok], tokens_ok, n_ok, nbytes, failures)
 
     def delete_session(self, session_id: str, tenant: str | None = None) -> bool:

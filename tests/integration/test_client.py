@@ -261,3 +261,26 @@ def test_encoded_segment_matches_what_push_stored(backends: Backends) -> None:
         seg = encode_segment(ns, fp, ns.digest, arr)
         assert res.keys == [seg.key()]
         assert kv.store.get(seg.key()) == bytes(seg.data)
+
+
+def test_session_with_unstored_last_token_and_bad_tail(backends: Backends) -> None:
+    ns = make_ns()
+    c = ns.chunk_tokens
+    toks = make_tokens(2 * c + 6)
+    arr = make_kv(ns, 2 * c + 5)  # the last sampled token has no KV yet
+    with backends.open() as kv:
+        rec = kv.save_session(ns, "s2", toks, arr)
+        assert rec.kv_tokens == 2 * c + 5 and rec.n_tokens == 2 * c + 6
+        loaded = kv.load_session(ns, "s2")
+        assert loaded.kv_tokens == rec.kv_tokens and loaded.tail_key == rec.tail_key
+        pulled = kv.pull_session(ns, loaded)
+        assert pulled.tokens == 2 * c + 5 and same_bits(pulled.array, arr)
+        # a damaged tail costs only the tail: the full chunks still restore
+        assert loaded.tail_key is not None
+        data = bytearray(kv.store.get(loaded.tail_key))
+        data[-1] ^= 0xFF
+        kv.store.delete(loaded.tail_key)
+        kv.store.put(loaded.tail_key, bytes(data))
+        pulled = kv.pull_session(ns, loaded)
+        assert pulled.tokens == 2 * c and same_bits(pulled.array, arr[:, :, : 2 * c])
+        assert kv.stats()["verify_failures"] == 1
