@@ -237,3 +237,11 @@ def tail_fingerprint(
     if not 0 < len(toks) < ns.chunk_tokens:
         raise LayoutError(f"a tail holds 1..{ns.chunk_tokens - 1} tokens, got {len(toks)}")
     return _step(parent, tenant_key, toks, b"kvc-tail-v1")
+
+
+def next_fingerprint(
+    parent: bytes, chunk_tokens: Sequence[int] | np.ndarray, tenant_key: bytes
+) -> bytes:
+    """One step of the chain: the fp of a full chunk given its parent's fp (for callers that
+    extend a prefix token by token, like a decoding worker)."""
+    return _step(parent, tenant_key, tokens_array(chunk_tokens), b"kvc-fp-v1")

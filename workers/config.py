@@ -1,0 +1,99 @@
+"""Worker configuration. Each field names the environment variable that sets it; CLI flags
+override the environment, which overrides the defaults."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+WRITE_POLICIES = ("write-back", "write-through", "off")
+
+
+def _default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass
+class WorkerOptions:
+    model: str = field(default="small", metadata={"env": "KVCLOUD_WORKER_MODEL"})
+    """Model preset: tiny (tests) or small (demo, benchmarks)."""
+
+    seed: int = field(default=0, metadata={"env": "KVCLOUD_WORKER_SEED"})
+    """Seed of the preset's random weights; workers must agree to share KV."""
+
+    store: str | None = field(default=None, metadata={"env": "KVCLOUD_STORE"})
+    """kvcloud object store URL; unset or "none" runs without a store (local cache only)."""
+
+    index: str | None = field(default=None, metadata={"env": "KVCLOUD_INDEX"})
+    """kvcloud index URL; needed whenever a store is set."""
+
+    secret: str | None = field(default=None, repr=False, metadata={"env": "KVCLOUD_SECRET"})
+    """Master secret from which tenant fingerprint keys are derived."""
+
+    worker_id: str = field(
+        default_factory=_default_worker_id, metadata={"env": "KVCLOUD_WORKER_ID"}
+    )
+    """Name in logs, metrics and /healthz."""
+
+    cache_pages: int = field(default=64, metadata={"env": "KVCLOUD_CACHE_PAGES"})
+    """KV pages in memory; one page holds chunk_tokens tokens of every layer."""
+
+    write_policy: str = field(default="write-back", metadata={"env": "KVCLOUD_WRITE_POLICY"})
+    """write-back: push pages when evicted; write-through: when full; off: never."""
+
+    chunk_tokens: int = field(default=256, metadata={"env": "KVCLOUD_CHUNK_TOKENS"})
+    """Tokens per page and per stored segment."""
+
+    kv_dtype: str = field(default="float16", metadata={"env": "KVCLOUD_KV_DTYPE"})
+    """Cache dtype: float16, bfloat16 or float32. What is stored is exactly the page."""
+
+    device: str = field(default="auto", metadata={"env": "KVCLOUD_DEVICE"})
+    """cpu, cuda, or auto (cuda when available)."""
+
+    threads: int = field(default=0, metadata={"env": "KVCLOUD_THREADS"})
+    """torch intra-op threads; 0 keeps torch's default."""
+
+    upload_queue: int = field(default=64, metadata={"env": "KVCLOUD_UPLOAD_QUEUE"})
+    """Pages waiting for the background uploader; beyond it uploads are dropped (counted)."""
+
+    max_sessions: int = field(default=256, metadata={"env": "KVCLOUD_MAX_SESSIONS"})
+    """Sessions held in memory; the least recently used one beyond it is flushed and let go."""
+
+    remote_timeout: float = field(default=2.0, metadata={"env": "KVCLOUD_REMOTE_TIMEOUT"})
+    """Seconds a store or index call may take on the request path before it counts as a miss."""
+
+    tenant: str = field(default="default", metadata={"env": "KVCLOUD_TENANT"})
+    """Tenant for requests that do not name one."""
+
+    def __post_init__(self) -> None:
+        if self.store is not None and self.store.strip().lower() in ("", "none"):
+            self.store = None
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write policy must be one of {', '.join(WRITE_POLICIES)}")
+        if self.cache_pages < 2:
+            raise ValueError("cache_pages must be at least 2")
+        if self.chunk_tokens < 1:
+            raise ValueError("chunk_tokens must be positive")
+        if self.kv_dtype not in ("float16", "bfloat16", "float32"):
+            raise ValueError("kv_dtype must be float16, bfloat16 or float32")
+        if self.store is not None and not self.index:
+            raise ValueError("a store needs an index (--index or KVCLOUD_INDEX)")
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> WorkerOptions:
+        env = dict(os.environ if env is None else env)
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            name = f.metadata.get("env")
+            if name and env.get(name):
+                raw = env[name]
+                if f.type in ("int", int):
+                    values[f.name] = int(raw)
+                elif f.type in ("float", float):
+                    values[f.name] = float(raw)
+                else:
+                    values[f.name] = raw
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)

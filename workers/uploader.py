@@ -1,0 +1,99 @@
+"""Background uploader: pushes evicted (or, write-through, freshly filled) pages.
+
+Decoding never waits for it: ``offer`` copies nothing and never blocks — when the bounded
+queue is full the page is dropped and counted (it will simply be recomputed if needed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvcloud import KVCloud, KVCloudError, Namespace
+
+log = logging.getLogger("kvcloud.worker.uploader")
+
+
+@dataclass
+class UploadItem:
+    fp: bytes
+    parent: bytes
+    kv: np.ndarray  # a host copy the uploader owns
+    on_done: Callable[[bool], None] | None = None
+
+
+class Uploader:
+    def __init__(
+        self,
+        kv: KVCloud,
+        ns: Namespace,
+        maxsize: int,
+        on_result: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self.kv = kv
+        self.ns = ns
+        self._q: queue.Queue[UploadItem | None] = queue.Queue(maxsize=max(1, maxsize))
+        self._on_result = on_result or (lambda result, nbytes: None)
+        self._idle = threading.Event()
+        self._idle.set()
+        self._inflight = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="kvcloud-uploader", daemon=True)
+        self._thread.start()
+
+    @property
+    def depth(self) -> int:
+        return self._q.qsize()
+
+    def offer(self, item: UploadItem) -> bool:
+        """Queue a page for upload; False (and counted as dropped) if the queue is full."""
+        with self._lock:
+            try:
+                self._q.put_nowait(item)
+            except queue.Full:
+                self._on_result("dropped", 0)
+                return False
+            self._inflight += 1
+            self._idle.clear()
+        return True
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            ok = False
+            try:
+                res = self.kv.push_chunks(self.ns, [(item.fp, item.parent, item.kv)])
+                ok = True
+                self._on_result("ok", res.bytes_written)
+            except (KVCloudError, OSError) as exc:
+                log.warning("upload of %s failed: %s", item.fp.hex()[:16], exc)
+                self._on_result("failed", 0)
+            except Exception:  # the thread must survive anything a single page throws
+                log.exception("upload of %s crashed", item.fp.hex()[:16])
+                self._on_result("failed", 0)
+            if item.on_done is not None:
+                item.on_done(ok)
+            with self._lock:
+                self._inflight -= 1
+                if self._inflight == 0:
+                    self._idle.set()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every queued upload finished; False on timeout."""
+        return self._idle.wait(timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        self.drain(timeout)
+        with contextlib.suppress(queue.Full):
+            self._q.put(None, timeout=max(0.1, deadline - time.monotonic()))
+        self._thread.join(max(0.1, deadline - time.monotonic()))
