@@ -25,7 +25,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvcloud import KVCloud, KVCloudError, Namespace, SessionNotFoundError
 from kvcloud.config import redact_url
-from kvcloud.namespace import _step as _fp_step
 from kvcloud.namespace import (
     chunk_fingerprints,
     derive_tenant_key,
@@ -34,7 +33,13 @@ from kvcloud.namespace import (
 )
 
 from .config import WorkerOptions
-from .errors import BadRequestError, CacheFullError, ContextLengthError, SessionUnknownError
+from .errors import (
+    BadRequestError,
+    CacheFullError,
+    ContextLengthError,
+    SessionUnknownError,
+    StoreUnavailableError,
+)
 from .model import Decoder, ModelConfig, preset, sample
 from .pages import CachedPage, PagePool, PrefixCache, SeqPages
 from .tokenizer import ByteTokenizer
@@ -656,7 +661,9 @@ class Engine:
             try:
                 return self._flush_locked(sess)
             except KVCloudError as exc:
-                raise CacheFullError(f"flush failed, the store is unavailable: {exc}") from None
+                raise StoreUnavailableError(
+                    f"flush failed, the store is unavailable: {exc}"
+                ) from None
 
     def session_info(self, session_id: str, tenant: str) -> SessionInfo:
         with self._lock:

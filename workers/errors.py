@@ -33,3 +33,10 @@ class CacheFullError(WorkerError):
 
     status = 503
     code = "cache_full"
+
+
+class StoreUnavailableError(WorkerError):
+    """An explicit store operation (a flush) could not reach kvcloud; nothing was lost."""
+
+    status = 503
+    code = "store_unavailable"
