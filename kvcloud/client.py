@@ -17,12 +17,12 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 import msgpack
 import numpy as np
 
+from ._closing import Closing
 from .config import KVCloudConfig
 from .errors import (
     ConfigError,
@@ -128,7 +128,7 @@ def _hex(fps: Sequence[bytes]) -> list[str]:
     return [fp.hex() for fp in fps]
 
 
-class KVCloud:
+class KVCloud(Closing):
     """The client. Thread-safe; use it as a context manager or call close()."""
 
     def __init__(self, store: ObjectStore, index: Index, config: KVCloudConfig | None = None):
@@ -205,17 +205,6 @@ class KVCloud:
         finally:
             self.store.close()
             self.index.close()
-
-    def __enter__(self) -> KVCloud:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"KVCloud(store={self.store.url!r}, index={self.index.url!r})"

@@ -5,9 +5,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 
 import msgpack
+
+from .._closing import Closing
 
 DEFAULT_TTL_SECONDS = 7 * 24 * 3600
 
@@ -40,7 +41,7 @@ class EntryRecord:
     expires_at: float | None  # unix seconds, None if it never expires
 
 
-class Index(ABC):
+class Index(Closing, ABC):
     """Prefix-fingerprint → object-key entries, session records and counters.
 
     ``ns`` is a namespace id and ``fp`` a fingerprint in hex. Entries expire ``ttl`` seconds
@@ -115,19 +116,8 @@ class Index(ABC):
     def count_entries(self, ns: str | None = None) -> int:
         return sum(1 for _ in self.iter_entries(ns))
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:
         """Release connections."""
-
-    def __enter__(self) -> Index:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"

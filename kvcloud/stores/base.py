@@ -8,8 +8,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from types import TracebackType
 
+from .._closing import Closing
 from ..errors import StoreError
 
 Buffer = bytes | bytearray | memoryview
@@ -40,7 +40,7 @@ class ObjectInfo:
     last_modified: float  # unix seconds
 
 
-class ObjectStore(ABC):
+class ObjectStore(Closing, ABC):
     """Immutable, content-addressed objects under store-relative keys like ``ns/ab/abcd…``.
 
     Keys are made of ``[0-9a-zA-Z._-]`` segments joined by ``/``. Implementations must be
@@ -122,17 +122,6 @@ class ObjectStore(ABC):
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
-
-    def __enter__(self) -> ObjectStore:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
