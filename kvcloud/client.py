@@ -44,7 +44,7 @@ from .namespace import (
     tail_fingerprint,
     tokens_array,
 )
-from .segment import decode_segment, digest_from_key, encode_segment
+from .segment import decode_segment, digest_from_key, encode_segment, read_segment_into
 from .stores import open_store
 from .stores.base import ObjectStore
 
@@ -458,14 +458,23 @@ class KVCloud(Closing):
         def fetch(i: int) -> tuple[str, int]:
             ref = m.chunks[i]
             key = ref.entry.object_key
+            dest = dests[i]
             try:
+                if dest.flags.c_contiguous:
+                    # stream straight into the destination (a KV page): no copy of the
+                    # object is ever held, and hashing overlaps the transfer
+                    with self.store.open_read(key) as reader:
+                        _, size = read_segment_into(
+                            reader,
+                            dest,
+                            digest=digest_from_key(key),
+                            ns=ns,
+                            fp=ref.fp,
+                            parent=ref.parent,
+                            n_tokens=ns.chunk_tokens,
+                        )
+                    return "ok", size
                 data = self.store.get(key)
-            except ObjectNotFoundError:
-                return "missing", 0
-            except (StoreError, OSError) as exc:
-                log.warning("store get %s failed: %s", key, exc)
-                return "unavailable", 0
-            try:
                 decode_segment(
                     data,
                     digest=digest_from_key(key),
@@ -473,12 +482,17 @@ class KVCloud(Closing):
                     fp=ref.fp,
                     parent=ref.parent,
                     n_tokens=ns.chunk_tokens,
-                    out=dests[i],
+                    out=dest,
                 )
+                return "ok", len(data)
+            except ObjectNotFoundError:
+                return "missing", 0
             except CorruptObjectError as exc:
                 log.warning("object %s failed verification: %s", key, exc)
-                return f"corrupt:{type(exc).__name__}", len(data)
-            return "ok", len(data)
+                return f"corrupt:{type(exc).__name__}", 0
+            except (StoreError, OSError) as exc:
+                log.warning("store get %s failed: %s", key, exc)
+                return "unavailable", 0
 
         n = len(m.chunks)
         if n == 0:

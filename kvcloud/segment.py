@@ -2,7 +2,7 @@
 
     b"KVC1" | u32 header_len (LE) | header (msgpack map) | payload
 
-The object key is the BLAKE2b-256 digest of the whole object, so identical content always
+The object key is the SHA-256 digest of the whole object, so identical content always
 lands on the same key and a flipped bit anywhere is caught by the digest. Decoding treats its
 input as hostile: every declared length is checked against the real size and against the
 namespace before anything is allocated, and every failure is a CorruptObjectError subclass.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import lz4.block
 import msgpack
@@ -46,8 +46,11 @@ MAX_UNBOUND_RAW_LEN = 256 << 20
 _PREFIX = struct.Struct("<4sI")
 
 
+# SHA-256 (DESIGN §5 allows it or BLAKE2b-256): with the SHA extensions of current x86 and
+# ARM cores it hashes about twice as fast as BLAKE2b, and hashing every pulled byte is the
+# largest cost of verify-on-read.
 def content_digest(data: bytes | bytearray | memoryview) -> str:
-    return hashlib.blake2b(data, digest_size=32).hexdigest()
+    return hashlib.sha256(data).hexdigest()
 
 
 def object_key(ns_id: str, digest: str) -> str:
@@ -345,3 +348,92 @@ def decode_segment(
         np.copyto(out.view(storage) if out.dtype != storage else out, src, casting="no")
         arr = out
     return DecodedSegment(header=header, array=arr)
+
+
+# --- streaming decode: straight into the destination -----------------------------------------
+
+
+class Reader(Protocol):
+    def read(self, n: int = -1, /) -> bytes: ...
+
+    def readinto(self, buf: Any, /) -> int | None: ...
+
+
+def _read_exact(reader: Reader, n: int, what: str) -> bytes:
+    parts: list[bytes] = []
+    left = n
+    while left > 0:
+        chunk = reader.read(left)
+        if not chunk:
+            raise TruncatedObjectError(f"object ends inside its {what}")
+        parts.append(chunk)
+        left -= len(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _readinto_exact(reader: Reader, view: memoryview) -> None:
+    filled = 0
+    while filled < len(view):
+        got = reader.readinto(view[filled:])
+        if not got:
+            raise TruncatedObjectError("object ends inside its payload")
+        filled += got
+
+
+def read_segment_into(
+    reader: Reader,
+    out: np.ndarray,
+    *,
+    digest: str | None = None,
+    ns: Namespace | None = None,
+    fp: bytes | None = None,
+    parent: bytes | None = None,
+    n_tokens: int | None = None,
+) -> tuple[SegmentHeader, int]:
+    """Decode an object from a stream into ``out`` without holding the object in memory.
+    Returns the header and the object's size in bytes.
+
+    The header is read and checked first (so a hostile length never allocates), then a raw
+    payload is read straight into ``out`` (when it is C-contiguous) while being hashed. If
+    anything fails — including the digest, checked last — ``out`` holds garbage and the
+    caller must not use it.
+    """
+    h = hashlib.sha256()
+    prefix = _read_exact(reader, _PREFIX.size, "prefix")
+    h.update(prefix)
+    magic, header_len = _PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise BadMagicError(f"bad magic {magic!r}")
+    if header_len > MAX_HEADER_LEN:
+        raise MalformedHeaderError(f"header length {header_len} exceeds {MAX_HEADER_LEN}")
+    raw_header = _read_exact(reader, header_len, "header")
+    h.update(raw_header)
+    try:
+        hd = msgpack.unpackb(raw_header, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:
+        raise MalformedHeaderError(f"header is not valid msgpack: {exc}") from None
+    header = _parse_header(hd)
+    check_header(header, ns=ns, fp=fp, parent=parent, n_tokens=n_tokens)
+    if ns is None and header.raw_len > MAX_UNBOUND_RAW_LEN:
+        raise TruncatedObjectError("object declares too many bytes; decode it with its namespace")
+    storage = np.dtype(DTYPES[header.dtype].storage)
+    if out.shape != header.shape or out.dtype.itemsize != storage.itemsize:
+        raise LayoutError(f"out has shape {list(out.shape)}, object {list(header.shape)}")
+    if header.codec == "raw" and out.flags.c_contiguous:
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        _readinto_exact(reader, view)
+        h.update(view)
+    else:
+        # compressed payloads are at most a little larger than what they decode to
+        if header.payload_len > header.raw_len + (1 << 20):
+            raise MalformedHeaderError("payload is larger than its decoded size allows")
+        payload = _read_exact(reader, header.payload_len, "payload")
+        h.update(payload)
+        raw = _decompress(header, memoryview(payload))
+        src = np.frombuffer(raw, dtype=storage).reshape(header.shape)
+        np.copyto(out.view(storage) if out.dtype != storage else out, src, casting="no")
+    if reader.read(1):
+        raise TruncatedObjectError("object has bytes after its declared payload")
+    if digest is not None and h.hexdigest() != digest:
+        raise DigestMismatchError("object bytes do not match their content address")
+    return header, _PREFIX.size + header_len + header.payload_len

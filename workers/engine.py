@@ -168,6 +168,7 @@ class Engine:
                 connect_timeout=options.remote_timeout,
                 read_timeout=options.remote_timeout,
             )
+            self.kv.store.prewarm()
             if options.write_policy != "off":
                 self.uploader = Uploader(self.kv, self.ns, options.upload_queue, self._on_upload)
         self._update_gauges()
@@ -713,6 +714,23 @@ class Engine:
         if self.uploader is not None:
             self.uploader.drain(max(0.1, deadline - time.monotonic()))
         return results
+
+    def push_cached_pages(self, kv: KVCloud | None = None) -> int:
+        """Synchronously push every cached full page not yet stored (to ``kv``, or this
+        engine's store); returns bytes written. For benchmarks and planned shutdowns."""
+        target = kv or self.kv
+        if target is None:
+            return 0
+        written = 0
+        with self._lock:
+            chunks = [(cp.fp, cp.parent, self._page_array(cp.page))
+                      for cp in self.prefix.pages() if kv is not None or not cp.stored]
+            if chunks:
+                written = target.push_chunks(self.ns, chunks).bytes_written
+            if kv is None:
+                for cp in self.prefix.pages():
+                    cp.stored = True
+        return written
 
     def health(self) -> dict[str, Any]:
         return {

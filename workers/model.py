@@ -202,21 +202,29 @@ class Decoder(nn.Module):
             v = layer.v_proj(h).view(n, cfg.n_kv_heads, cfg.head_dim)
             kv.write(li, start, k, v)
             keys, values = kv.read(li, end)  # includes the tokens just written
-            keys = keys.float().permute(1, 2, 0).unsqueeze(1)  # [kvh, 1, hd, ctx]
-            values = values.float().transpose(0, 1).unsqueeze(1)  # [kvh, 1, ctx, hd]
-            # [kvh, group, n, hd] so each KV head serves its query group without a copy
+            # [kvh, ctx, hd] views of fp32 copies: batched GEMMs read the strides directly
+            k_t = keys.float().transpose(0, 1)
+            v_t = values.float().transpose(0, 1)
+            # [kvh, group, n, hd]: each KV head serves its query group, no repeat of K/V
             qg = q.view(n, cfg.n_kv_heads, group, cfg.head_dim).permute(1, 2, 0, 3)
             out = torch.empty_like(qg)
             for b0 in range(0, n, _ATTN_BLOCK):
                 b1 = min(n, b0 + _ATTN_BLOCK)
+                nb = b1 - b0
                 ctx = start + b1  # keys this block can see at most
-                scores = torch.matmul(qg[:, :, b0:b1], keys[..., :ctx]) * scale
-                qpos = torch.arange(start + b0, start + b1, device=self.device)
-                kpos = torch.arange(ctx, device=self.device)
-                mask = kpos[None, :] > qpos[:, None]
-                scores.masked_fill_(mask, float("-inf"))
+                qb = qg[:, :, b0:b1].reshape(cfg.n_kv_heads, group * nb, cfg.head_dim)
+                scores = torch.bmm(qb, k_t[:, :ctx].transpose(1, 2)).mul_(scale)
+                if nb > 1:  # a single (last) query sees every key: no mask needed
+                    qpos = torch.arange(start + b0, start + b1, device=self.device)
+                    kpos = torch.arange(ctx, device=self.device)
+                    mask = kpos[None, :] > qpos[:, None]
+                    scores = scores.view(cfg.n_kv_heads, group, nb, ctx)
+                    scores.masked_fill_(mask, float("-inf"))
+                    scores = scores.view(cfg.n_kv_heads, group * nb, ctx)
                 probs = torch.softmax(scores, dim=-1)
-                out[:, :, b0:b1] = torch.matmul(probs, values[:, :, :ctx])
+                out[:, :, b0:b1] = torch.bmm(probs, v_t[:, :ctx]).view(
+                    cfg.n_kv_heads, group, nb, cfg.head_dim
+                )
             attn = out.permute(2, 0, 1, 3).reshape(n, cfg.n_heads * cfg.head_dim)
             x = x + layer.o_proj(attn)
             h = layer.mlp_norm(x)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 from .._closing import Closing
 from ..errors import StoreError
@@ -80,6 +84,12 @@ class ObjectStore(Closing, ABC):
 
     # -- provided ---------------------------------------------------------------------------
 
+    def open_read(self, key: str) -> AbstractContextManager[Any]:
+        """A readable stream of the object (``read(n)``, ``readinto(buf)``), for decoding
+        straight into its destination. Raises ObjectNotFoundError if absent. Stores that
+        can stream override this; the default buffers the whole object."""
+        return contextlib.nullcontext(io.BytesIO(self.get(key)))
+
     def exists(self, key: str) -> bool:
         return self.head(key) is not None
 
@@ -92,6 +102,21 @@ class ObjectStore(Closing, ABC):
                     max_workers=self.max_workers, thread_name_prefix="kvcloud-store"
                 )
             return self._pool
+
+    def prewarm(self) -> None:
+        """Start every pool thread now, so the first parallel pull does not pay for
+        spawning them (tens of milliseconds on a request path)."""
+        gate = threading.Barrier(self.max_workers + 1)
+
+        def wait() -> None:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                gate.wait(timeout=5)
+
+        futures = [self.executor.submit(wait) for _ in range(self.max_workers)]
+        with contextlib.suppress(threading.BrokenBarrierError):
+            gate.wait(timeout=5)
+        for f in futures:
+            f.result()
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | BaseException]:
         """Fetch in parallel. Results are in key order; a failure is returned, not raised."""

@@ -14,7 +14,9 @@ import os
 import secrets
 import stat
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 from ..errors import ObjectNotFoundError, StoreError
 from .base import Buffer, ObjectInfo, ObjectStore, validate_key
@@ -130,6 +132,16 @@ class FileStore(ObjectStore):
         try:
             with open(path, "rb") as f:
                 return f.read()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise ObjectNotFoundError(f"{key!r} not found in {self.url}") from None
+        except OSError as exc:
+            raise StoreError(f"get {key!r} from {self.url} failed: {exc}") from exc
+
+    def open_read(self, key: str) -> AbstractContextManager[Any]:
+        path = self._path(key)
+        try:
+            # unbuffered: the payload is read straight into the caller's buffer
+            return open(path, "rb", buffering=0)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise ObjectNotFoundError(f"{key!r} not found in {self.url}") from None
         except OSError as exc:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import closing
+from contextlib import AbstractContextManager, closing
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode, urlsplit
@@ -429,6 +429,23 @@ class S3Store(ObjectStore):
         except BotoCoreError as exc:
             raise self._error("get", key, exc) from exc
 
+    def open_read(self, key: str) -> AbstractContextManager[Any]:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        s3_key = self._s3_key(key)
+        try:
+            response = self._client.get_object(Bucket=self.config.bucket, Key=s3_key)
+        except ClientError as exc:
+            code, status = self._status(exc)
+            if code in ("NoSuchKey", "404", "NotFound") or (
+                status == 404 and code != "NoSuchBucket"
+            ):
+                raise ObjectNotFoundError(f"{key!r} not found in {self.url}") from None
+            raise self._error("get", key, exc) from exc
+        except BotoCoreError as exc:
+            raise self._error("get", key, exc) from exc
+        return _BodyReader(response["Body"], self, key)
+
     def head(self, key: str) -> ObjectInfo | None:
         from botocore.exceptions import BotoCoreError, ClientError
 
@@ -490,3 +507,37 @@ class S3Store(ObjectStore):
 
 
 __all__ = ["S3Config", "S3Store"]
+
+
+class _BodyReader:
+    """A GET body as a stream; transport failures mid-read become StoreUnavailableError, and
+    the connection goes back to the pool when the block ends."""
+
+    def __init__(self, body: Any, store: S3Store, key: str) -> None:
+        self._body = body
+        self._store = store
+        self._key = key
+
+    def __enter__(self) -> _BodyReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._body.close()
+
+    def _guard(self, fn: Any, arg: Any) -> Any:
+        from botocore.exceptions import BotoCoreError
+
+        try:
+            return fn(arg)
+        except BotoCoreError as exc:
+            raise self._store._error("get", self._key, exc) from exc
+        except (OSError, ValueError) as exc:  # urllib3 protocol errors surface as these
+            raise StoreUnavailableError(
+                f"get {self._key!r} from {self._store.url} broke off: {exc}"
+            ) from exc
+
+    def read(self, n: int = -1) -> bytes:
+        return self._guard(self._body.read, None if n < 0 else n)
+
+    def readinto(self, buf: Any) -> int:
+        return self._guard(self._body.readinto, buf)

@@ -126,6 +126,23 @@ class StoreContract:
             store.get("no/such/key")
         assert issubclass(ObjectNotFoundError, StoreError)
 
+    @pytest.mark.parametrize("size", [0, 10, 3 << 20])
+    def test_open_read_streams_the_object(self, store: ObjectStore, size: int) -> None:
+        data = payload(size, seed=11)
+        store.put("stream/obj", data)
+        with store.open_read("stream/obj") as reader:
+            head = reader.read(7)
+            buf = bytearray(max(0, size - 7))
+            filled = 0
+            while filled < len(buf):
+                got = reader.readinto(memoryview(buf)[filled:])
+                assert got
+                filled += got
+            assert reader.read(1) == b""
+        assert head + bytes(buf) == data
+        with pytest.raises(ObjectNotFoundError):
+            store.open_read("no/such/key")
+
     def test_head(self, store: ObjectStore) -> None:
         before = time.time()
         store.put("h/obj", payload(1234, seed=6))

@@ -28,6 +28,7 @@ from kvcloud.segment import (
     digest_from_key,
     encode_segment,
     read_header,
+    read_segment_into,
 )
 from tests.helpers import DTYPE_CASES, make_kv, make_ns, make_tokens, same_bits
 
@@ -251,3 +252,66 @@ def test_decompression_bomb_is_refused(codec: str) -> None:
 
 def test_digest_from_key() -> None:
     assert digest_from_key("ns/ab/abcdef") == "abcdef"
+
+
+# --- the streaming decoder (what pulls use to land in KV pages) -------------------------------
+
+
+def _stream_decode(data: bytes, ns, **kw):  # type: ignore[no-untyped-def]
+    import io
+
+    out = np.empty(ns.kv_shape(kw.pop("n", 16)), dtype=ns.dtype_info.storage)
+    header, size = read_segment_into(io.BytesIO(data), out, ns=ns, **kw)
+    return header, size, out
+
+
+@pytest.mark.parametrize("dtype", DTYPE_CASES)
+@pytest.mark.parametrize("codec", CODECS)
+def test_stream_decode_bit_exact(dtype: str, codec: str) -> None:
+    ns, fps, kv, seg = _seg(dtype, codec)
+    header, size, out = _stream_decode(
+        bytes(seg.data), ns, digest=seg.digest, fp=fps[1], parent=fps[0], n_tokens=16
+    )
+    assert size == len(seg.data) and header.codec == codec
+    assert same_bits(out, np.ascontiguousarray(kv[:, :, 16:32]))
+
+
+def test_stream_decode_rejects_damage() -> None:
+    ns, fps, _, seg = _seg()
+    data = bytes(seg.data)
+    with pytest.raises(TruncatedObjectError):
+        _stream_decode(data[:-3], ns, digest=seg.digest)
+    with pytest.raises(TruncatedObjectError):
+        _stream_decode(data + b"\0", ns, digest=seg.digest)
+    with pytest.raises(TruncatedObjectError):
+        _stream_decode(data[:6], ns)
+    for pos in range(0, len(data), max(1, len(data) // 61)):
+        bad = bytearray(data)
+        bad[pos] ^= 0x40
+        with pytest.raises(CorruptObjectError):
+            _stream_decode(bytes(bad), ns, digest=seg.digest, fp=fps[1], parent=fps[0], n_tokens=16)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    header=hostile_headers(),
+    payload=st.binary(max_size=1024),
+    lie=st.one_of(st.none(), st.integers(0, 2**32 - 1)),
+)
+def test_stream_decode_hostile_only_typed_errors(
+    header: dict, payload: bytes, lie: int | None
+) -> None:
+    import io
+
+    ns = make_ns()
+    data = _frame(header, payload, lie)
+    out = np.empty(ns.kv_shape(16), dtype=ns.dtype_info.storage)
+    tracemalloc.start()
+    try:
+        read_segment_into(io.BytesIO(data), out, digest=content_digest(data), ns=ns)
+    except KVCloudError as exc:
+        assert isinstance(exc, CorruptObjectError | LayoutError), type(exc)
+    finally:
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    assert peak < 4 * len(data) + 2 * ns.chunk_bytes + (1 << 20), peak

@@ -1,0 +1,437 @@
+"""`kvcloud-worker bench ttft`: time to first token, recompute vs restore across processes.
+
+For each prefix length a fresh random prompt is prefilled by one process (that run is the
+*recompute* figure: no store, nothing cached) which then pushes the KV to every backend; the
+measuring process, which has never seen the prompt, then answers it by restoring from
+kvcloud (*restore*), and by what a user writes by hand (*naive*: one ``torch.save`` blob per
+chunk, sequential GETs, one index round trip per chunk). All methods answer the same prompt
+with the same model; ratios are taken inside one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import io
+import json
+import os
+import platform
+import shutil
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvcloud import KVCloud, __version__
+from kvcloud.config import redact_url
+
+from .config import WorkerOptions
+from .engine import Engine
+from .types import CompletionRequest
+
+DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str  # "file" or "servers"
+    store: str
+    index: str
+    s3_endpoint: str | None = None
+    bucket: str | None = None
+    prefix: str | None = None
+    naive_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class _Servers:
+    s3_endpoint: str
+    redis_url: str
+
+
+@contextlib.contextmanager
+def local_servers(workdir: Path) -> Iterator[_Servers]:
+    """A moto_server and a redis-server on free ports, for as long as the block runs."""
+    import socket
+
+    def port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    moto = Path(sys.executable).with_name("moto_server")
+    redis_bin = shutil.which("redis-server")
+    if not moto.exists() or redis_bin is None:
+        raise RuntimeError("the servers backend needs moto_server (pip install 'moto[server]') "
+                           "and redis-server (apt-get install redis-server)")
+    mp, rp = port(), port()
+    procs = [
+        subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(mp)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+        subprocess.Popen([redis_bin, "--port", str(rp), "--bind", "127.0.0.1", "--save", "",
+                          "--appendonly", "no", "--dir", str(workdir)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+    ]
+    try:
+        for p in (mp, rp):
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", p), timeout=0.5).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"server on port {p} did not start") from None
+                    time.sleep(0.1)
+        os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
+        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
+        yield _Servers(f"http://127.0.0.1:{mp}", f"redis://127.0.0.1:{rp}/0")
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
+
+
+@contextlib.contextmanager
+def open_backends(names: list[str], workdir: Path) -> Iterator[list[Backend]]:
+    """file:// + sqlite:// in ``workdir``, and/or a moto_server + redis-server started here."""
+    with contextlib.ExitStack() as stack:
+        out = []
+        for name in names:
+            if name == "file":
+                d = workdir / "file"
+                d.mkdir(parents=True, exist_ok=True)
+                out.append(Backend("file", f"file://{d / 'objects'}", f"sqlite://{d / 'index.db'}",
+                                   naive_dir=str(d / "naive")))
+            elif name == "servers":
+                servers = stack.enter_context(local_servers(workdir / "servers"))
+                store = (f"s3://kvbench/ttft?endpoint_url={servers.s3_endpoint}"
+                         "&region=us-east-1&create_bucket=true")
+                out.append(Backend("servers", store, servers.redis_url,
+                                   s3_endpoint=servers.s3_endpoint, bucket="kvbench",
+                                   prefix="naive"))
+            else:
+                raise ValueError(f"unknown backend {name!r}: use file and/or servers")
+        yield out
+
+
+def prompt_for(length: int, rep: int) -> list[int]:
+    rng = np.random.default_rng(1_000_003 * length + rep)
+    return [int(t) for t in rng.integers(0, 256, length)]
+
+
+# --- the naive baseline ----------------------------------------------------------------------
+
+
+class NaiveStore:
+    """What a user writes by hand: torch.save per chunk, one blocking call at a time."""
+
+    def __init__(self, b: Backend) -> None:
+        self.b = b
+        if b.name == "file":
+            assert b.naive_dir is not None
+            self.root = Path(b.naive_dir)
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.db = sqlite3.connect(self.root / "index.db")
+            self.db.execute("CREATE TABLE IF NOT EXISTS kv (k TEXT PRIMARY KEY, path TEXT)")
+        else:
+            import boto3
+            import redis
+
+            self.s3 = boto3.client("s3", endpoint_url=b.s3_endpoint, region_name="us-east-1")
+            with contextlib.suppress(Exception):
+                self.s3.create_bucket(Bucket=b.bucket)
+            self.r = redis.Redis.from_url(b.index)
+
+    @staticmethod
+    def key(tokens: list[int]) -> str:
+        return hashlib.sha256(np.asarray(tokens, dtype="<u4").tobytes()).hexdigest()
+
+    def put(self, tokens: list[int], page: torch.Tensor) -> None:
+        buf = io.BytesIO()
+        torch.save(page.clone(), buf)
+        k = self.key(tokens)
+        if self.b.name == "file":
+            path = self.root / k
+            path.write_bytes(buf.getvalue())
+            self.db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?)", (k, str(path)))
+            self.db.commit()
+        else:
+            self.s3.put_object(Bucket=self.b.bucket, Key=f"{self.b.prefix}/{k}",
+                               Body=buf.getvalue())
+            self.r.set(f"naive:{k}", f"{self.b.prefix}/{k}")
+
+    def get(self, tokens: list[int]) -> torch.Tensor | None:
+        k = self.key(tokens)
+        if self.b.name == "file":
+            row = self.db.execute("SELECT path FROM kv WHERE k = ?", (k,)).fetchone()
+            if row is None:
+                return None
+            data = Path(row[0]).read_bytes()
+        else:
+            obj = self.r.get(f"naive:{k}")
+            if obj is None:
+                return None
+            data = self.s3.get_object(Bucket=self.b.bucket, Key=obj.decode())["Body"].read()
+        return torch.load(io.BytesIO(data))
+
+
+# --- the pushing process -----------------------------------------------------------------------
+
+
+def _engine(model: str, store: str | None, index: str | None, pages: int, **kw: Any) -> Engine:
+    return Engine(WorkerOptions(model=model, store=store, index=index, cache_pages=pages,
+                                write_policy="off", worker_id="bench", **kw))
+
+
+def push_phase(spec: dict[str, Any]) -> dict[str, Any]:
+    """Child process: recompute every prompt (timed), then push its KV to every backend."""
+    backends = [Backend(**b) for b in spec["backends"]]
+    c = spec["chunk_tokens"]
+    pages = max(spec["lengths"]) // c + 4
+    eng = _engine(spec["model"], None, None, pages, chunk_tokens=c)
+    clients = [KVCloud.open(store=b.store, index=b.index) for b in backends]
+    naive = [NaiveStore(b) for b in backends]
+    recompute: dict[str, list[float]] = {}
+    for length in spec["lengths"]:
+        for rep in range(spec["repeat"]):
+            p = prompt_for(length, rep)
+            r = eng.complete(CompletionRequest(prompt_tokens=p, max_tokens=1))
+            recompute.setdefault(str(length), []).append(r.ttft_ms)
+            for kv in clients:
+                eng.push_cached_pages(kv)
+            fps = eng._fps(p, "default")
+            for j in range(len(p) // c):
+                cp = eng.prefix.get(fps[j])
+                assert cp is not None
+                for ns_ in naive:
+                    ns_.put(p[: (j + 1) * c], eng.pool.data[cp.page])
+            # drop this prompt's pages so the next one never shares them
+            while eng.prefix.pop_lru() is not None:
+                pass
+            eng.pool._free = list(range(eng.pool.n_pages - 1, -1, -1))
+    for kv in clients:
+        kv.close()
+    return {"recompute_ms": recompute}
+
+
+# --- the measuring process ---------------------------------------------------------------------
+
+
+def _naive_restore(eng: Engine, store: NaiveStore, p: list[int]) -> tuple[float, int]:
+    """Sequentially load chunks into the engine's pages; returns (ms, tokens restored)."""
+    c = eng.c
+    t0 = time.perf_counter()
+    fps = eng._fps(p, "default")
+    restored = 0
+    for j in range(len(p) // c):
+        t = store.get(p[: (j + 1) * c])
+        if t is None:
+            break
+        page = eng._alloc()
+        eng.pool.data[page].copy_(t)
+        eng.prefix.insert(fps[j], fps[j - 1] if j else eng.ns.digest, page, stored=True)
+        eng.prefix.release(fps[j])
+        restored += c
+    return (time.perf_counter() - t0) * 1000.0, restored
+
+
+def run_ttft_bench(lengths: list[int], backends: list[str], model: str = "small",
+                   repeat: int = 1, chunk_tokens: int = 256, naive: bool = True,
+                   workdir: Path | None = None, log: Any = print) -> dict[str, Any]:
+    own = workdir is None
+    wd = Path(tempfile.mkdtemp(prefix="kvcloud-bench-")) if own else Path(workdir)
+    try:
+        with open_backends(backends, wd) as bks:
+            spec = {"backends": [asdict(b) for b in bks], "lengths": lengths, "repeat": repeat,
+                    "model": model, "chunk_tokens": chunk_tokens}
+            log(f"prefilling {len(lengths) * repeat} prompts in a pusher process (recompute) …")
+            out = subprocess.run([sys.executable, "-m", "workers.bench", "_push"],
+                                 input=json.dumps(spec), capture_output=True, text=True,
+                                 check=False)
+            if out.returncode != 0:
+                raise RuntimeError(f"pusher failed:\n{out.stderr[-4000:]}")
+            pushed = json.loads(out.stdout.strip().splitlines()[-1])
+            results: dict[str, Any] = {"recompute": pushed["recompute_ms"]}
+            pages = max(lengths) // chunk_tokens + 4
+            for b in bks:
+                log(f"restoring from {b.name} …")
+                eng = _engine(model, b.store, b.index, pages, chunk_tokens=chunk_tokens)
+                rows: dict[str, list[float]] = {}
+                remote: dict[str, int] = {}
+                for length in lengths:
+                    for rep in range(repeat):
+                        r = eng.complete(CompletionRequest(prompt_tokens=prompt_for(length, rep),
+                                                           max_tokens=1))
+                        rows.setdefault(str(length), []).append(r.ttft_ms)
+                        remote[str(length)] = r.tokens_remote
+                eng.close()
+                results[f"restore:{b.name}"] = rows
+                results[f"restored_tokens:{b.name}"] = remote
+                if naive:
+                    log(f"naive restore from {b.name} …")
+                    eng = _engine(model, None, None, pages, chunk_tokens=chunk_tokens)
+                    ns_ = NaiveStore(b)
+                    rows = {}
+                    for length in lengths:
+                        for rep in range(repeat):
+                            p = prompt_for(length, rep)
+                            ms, _ = _naive_restore(eng, ns_, p)
+                            r = eng.complete(CompletionRequest(prompt_tokens=p, max_tokens=1))
+                            rows.setdefault(str(length), []).append(ms + r.ttft_ms)
+                            while eng.prefix.pop_lru() is not None:
+                                pass
+                            eng.pool._free = list(range(eng.pool.n_pages - 1, -1, -1))
+                    results[f"naive:{b.name}"] = rows
+            report = summarise(results, lengths, backends, model, chunk_tokens, repeat, bks)
+    finally:
+        if own:
+            shutil.rmtree(wd, ignore_errors=True)
+    return report
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "kvcloud": __version__,
+    }
+
+
+def summarise(results: dict[str, Any], lengths: list[int], backends: list[str], model: str,
+              chunk_tokens: int, repeat: int, bks: list[Backend]) -> dict[str, Any]:
+    def med(method: str, length: int) -> float | None:
+        vals = results.get(method, {}).get(str(length))
+        return statistics.median(vals) if vals else None
+
+    methods = [m for m in results if not m.startswith("restored_tokens")]
+    table = []
+    for length in lengths:
+        row: dict[str, Any] = {"prefix_tokens": length}
+        base = med("recompute", length)
+        for m in methods:
+            v = med(m, length)
+            row[f"{m}_ms"] = v
+            if m != "recompute" and v and base:
+                row[f"speedup_{m}"] = base / v
+        for b in backends:
+            row[f"restored_tokens:{b}"] = results.get(f"restored_tokens:{b}", {}).get(str(length))
+        table.append(row)
+    return {
+        "bench": "ttft",
+        "model": model,
+        "chunk_tokens": chunk_tokens,
+        "repeat": repeat,
+        "backends": {b.name: {"store": redact_url(b.store), "index": redact_url(b.index)}
+                     for b in bks},
+        "machine": machine(),
+        "rows": table,
+        "raw_ms": {k: v for k, v in results.items() if not k.startswith("restored_tokens")},
+    }
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    xs = [r["prefix_tokens"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in rows[0]:
+        if key.endswith("_ms"):
+            ys = [r[key] for r in rows]
+            style = "-o" if key.startswith("restore") else ("--s" if key.startswith("naive")
+                                                             else "-k^")
+            ax.plot(xs, ys, style, label=key[:-3])
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prefix length (tokens)")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_title(f"TTFT, model {report['model']}: recompute vs restore across processes")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def print_table(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = report["rows"]
+    methods = [k[:-3] for k in rows[0] if k.endswith("_ms")]
+    t = Table(title=f"TTFT (ms, median of {report['repeat']}), model {report['model']}")
+    t.add_column("prefix")
+    for m in methods:
+        t.add_column(m, justify="right")
+    for r in rows:
+        cells = [f"{r['prefix_tokens']:,}"]
+        for m in methods:
+            v = r[f"{m}_ms"]
+            sp = r.get(f"speedup_{m}")
+            cells.append("-" if v is None else (f"{v:,.0f}" + (f" ({sp:.1f}×)" if sp else "")))
+        t.add_row(*cells)
+    Console().print(t)
+
+
+def add_bench_parser(sub: Any) -> None:
+    b = sub.add_parser("bench", help="benchmarks (ttft)")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    t = bsub.add_parser("ttft", help="TTFT: recompute vs restore vs naive, per prefix length")
+    t.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)))
+    t.add_argument("--backends", default="file,servers", help="file and/or servers")
+    t.add_argument("--model", default="small")
+    t.add_argument("--repeat", type=int, default=1)
+    t.add_argument("--chunk-tokens", type=int, default=256)
+    t.add_argument("--no-naive", action="store_true")
+    t.add_argument("--json-out", type=Path)
+    t.add_argument("--plot", type=Path)
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(func=cmd_bench_ttft)
+
+
+def cmd_bench_ttft(args: argparse.Namespace) -> int:
+    log = (lambda *_: None) if args.json else (lambda m: print(m, file=sys.stderr))
+    report = run_ttft_bench(
+        [int(x) for x in args.lengths.split(",") if x],
+        [x for x in args.backends.split(",") if x],
+        model=args.model, repeat=args.repeat, chunk_tokens=args.chunk_tokens,
+        naive=not args.no_naive, log=log,
+    )
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(report, indent=2))
+    if args.plot:
+        plot(report, args.plot)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_table(report)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_push":
+        result = push_phase(json.loads(sys.stdin.read()))
+        print(json.dumps(result))
+        sys.exit(0)
+    raise SystemExit("use: kvcloud-worker bench ttft …")
