@@ -73,15 +73,34 @@ def local_servers(workdir: Path) -> Iterator[_Servers]:
     moto = Path(sys.executable).with_name("moto_server")
     redis_bin = shutil.which("redis-server")
     if not moto.exists() or redis_bin is None:
-        raise RuntimeError("the servers backend needs moto_server (pip install 'moto[server]') "
-                           "and redis-server (apt-get install redis-server)")
+        raise RuntimeError(
+            "the servers backend needs moto_server (pip install 'moto[server]') "
+            "and redis-server (apt-get install redis-server)"
+        )
     mp, rp = port(), port()
     procs = [
-        subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(mp)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-        subprocess.Popen([redis_bin, "--port", str(rp), "--bind", "127.0.0.1", "--save", "",
-                          "--appendonly", "no", "--dir", str(workdir)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+        subprocess.Popen(
+            [str(moto), "-H", "127.0.0.1", "-p", str(mp)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        ),
+        subprocess.Popen(
+            [
+                redis_bin,
+                "--port",
+                str(rp),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(workdir),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        ),
     ]
     try:
         for p in (mp, rp):
@@ -112,15 +131,30 @@ def open_backends(names: list[str], workdir: Path) -> Iterator[list[Backend]]:
             if name == "file":
                 d = workdir / "file"
                 d.mkdir(parents=True, exist_ok=True)
-                out.append(Backend("file", f"file://{d / 'objects'}", f"sqlite://{d / 'index.db'}",
-                                   naive_dir=str(d / "naive")))
+                out.append(
+                    Backend(
+                        "file",
+                        f"file://{d / 'objects'}",
+                        f"sqlite://{d / 'index.db'}",
+                        naive_dir=str(d / "naive"),
+                    )
+                )
             elif name == "servers":
                 servers = stack.enter_context(local_servers(workdir / "servers"))
-                store = (f"s3://kvbench/ttft?endpoint_url={servers.s3_endpoint}"
-                         "&region=us-east-1&create_bucket=true")
-                out.append(Backend("servers", store, servers.redis_url,
-                                   s3_endpoint=servers.s3_endpoint, bucket="kvbench",
-                                   prefix="naive"))
+                store = (
+                    f"s3://kvbench/ttft?endpoint_url={servers.s3_endpoint}"
+                    "&region=us-east-1&create_bucket=true"
+                )
+                out.append(
+                    Backend(
+                        "servers",
+                        store,
+                        servers.redis_url,
+                        s3_endpoint=servers.s3_endpoint,
+                        bucket="kvbench",
+                        prefix="naive",
+                    )
+                )
             else:
                 raise ValueError(f"unknown backend {name!r}: use file and/or servers")
         yield out
@@ -168,8 +202,9 @@ class NaiveStore:
             self.db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?)", (k, str(path)))
             self.db.commit()
         else:
-            self.s3.put_object(Bucket=self.b.bucket, Key=f"{self.b.prefix}/{k}",
-                               Body=buf.getvalue())
+            self.s3.put_object(
+                Bucket=self.b.bucket, Key=f"{self.b.prefix}/{k}", Body=buf.getvalue()
+            )
             self.r.set(f"naive:{k}", f"{self.b.prefix}/{k}")
 
     def get(self, tokens: list[int]) -> torch.Tensor | None:
@@ -191,8 +226,17 @@ class NaiveStore:
 
 
 def _engine(model: str, store: str | None, index: str | None, pages: int, **kw: Any) -> Engine:
-    return Engine(WorkerOptions(model=model, store=store, index=index, cache_pages=pages,
-                                write_policy="off", worker_id="bench", **kw))
+    return Engine(
+        WorkerOptions(
+            model=model,
+            store=store,
+            index=index,
+            cache_pages=pages,
+            write_policy="off",
+            worker_id="bench",
+            **kw,
+        )
+    )
 
 
 def push_phase(spec: dict[str, Any]) -> dict[str, Any]:
@@ -247,19 +291,35 @@ def _naive_restore(eng: Engine, store: NaiveStore, p: list[int]) -> tuple[float,
     return (time.perf_counter() - t0) * 1000.0, restored
 
 
-def run_ttft_bench(lengths: list[int], backends: list[str], model: str = "small",
-                   repeat: int = 1, chunk_tokens: int = 256, naive: bool = True,
-                   workdir: Path | None = None, log: Any = print) -> dict[str, Any]:
+def run_ttft_bench(
+    lengths: list[int],
+    backends: list[str],
+    model: str = "small",
+    repeat: int = 1,
+    chunk_tokens: int = 256,
+    naive: bool = True,
+    workdir: Path | None = None,
+    log: Any = print,
+) -> dict[str, Any]:
     own = workdir is None
     wd = Path(tempfile.mkdtemp(prefix="kvcloud-bench-")) if own else Path(workdir)
     try:
         with open_backends(backends, wd) as bks:
-            spec = {"backends": [asdict(b) for b in bks], "lengths": lengths, "repeat": repeat,
-                    "model": model, "chunk_tokens": chunk_tokens}
+            spec = {
+                "backends": [asdict(b) for b in bks],
+                "lengths": lengths,
+                "repeat": repeat,
+                "model": model,
+                "chunk_tokens": chunk_tokens,
+            }
             log(f"prefilling {len(lengths) * repeat} prompts in a pusher process (recompute) …")
-            out = subprocess.run([sys.executable, "-m", "workers.bench", "_push"],
-                                 input=json.dumps(spec), capture_output=True, text=True,
-                                 check=False)
+            out = subprocess.run(
+                [sys.executable, "-m", "workers.bench", "_push"],
+                input=json.dumps(spec),
+                capture_output=True,
+                text=True,
+                check=False,
+            )
             if out.returncode != 0:
                 raise RuntimeError(f"pusher failed:\n{out.stderr[-4000:]}")
             pushed = json.loads(out.stdout.strip().splitlines()[-1])
@@ -272,8 +332,9 @@ def run_ttft_bench(lengths: list[int], backends: list[str], model: str = "small"
                 remote: dict[str, int] = {}
                 for length in lengths:
                     for rep in range(repeat):
-                        r = eng.complete(CompletionRequest(prompt_tokens=prompt_for(length, rep),
-                                                           max_tokens=1))
+                        r = eng.complete(
+                            CompletionRequest(prompt_tokens=prompt_for(length, rep), max_tokens=1)
+                        )
                         rows.setdefault(str(length), []).append(r.ttft_ms)
                         remote[str(length)] = r.tokens_remote
                 eng.close()
@@ -313,8 +374,15 @@ def machine() -> dict[str, Any]:
     }
 
 
-def summarise(results: dict[str, Any], lengths: list[int], backends: list[str], model: str,
-              chunk_tokens: int, repeat: int, bks: list[Backend]) -> dict[str, Any]:
+def summarise(
+    results: dict[str, Any],
+    lengths: list[int],
+    backends: list[str],
+    model: str,
+    chunk_tokens: int,
+    repeat: int,
+    bks: list[Backend],
+) -> dict[str, Any]:
     def med(method: str, length: int) -> float | None:
         vals = results.get(method, {}).get(str(length))
         return statistics.median(vals) if vals else None
@@ -337,8 +405,9 @@ def summarise(results: dict[str, Any], lengths: list[int], backends: list[str], 
         "model": model,
         "chunk_tokens": chunk_tokens,
         "repeat": repeat,
-        "backends": {b.name: {"store": redact_url(b.store), "index": redact_url(b.index)}
-                     for b in bks},
+        "backends": {
+            b.name: {"store": redact_url(b.store), "index": redact_url(b.index)} for b in bks
+        },
         "machine": machine(),
         "rows": table,
         "raw_ms": {k: v for k, v in results.items() if not k.startswith("restored_tokens")},
@@ -357,8 +426,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
     for key in rows[0]:
         if key.endswith("_ms"):
             ys = [r[key] for r in rows]
-            style = "-o" if key.startswith("restore") else ("--s" if key.startswith("naive")
-                                                             else "-k^")
+            style = (
+                "-o" if key.startswith("restore") else ("--s" if key.startswith("naive") else "-k^")
+            )
             ax.plot(xs, ys, style, label=key[:-3])
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -414,8 +484,11 @@ def cmd_bench_ttft(args: argparse.Namespace) -> int:
     report = run_ttft_bench(
         [int(x) for x in args.lengths.split(",") if x],
         [x for x in args.backends.split(",") if x],
-        model=args.model, repeat=args.repeat, chunk_tokens=args.chunk_tokens,
-        naive=not args.no_naive, log=log,
+        model=args.model,
+        repeat=args.repeat,
+        chunk_tokens=args.chunk_tokens,
+        naive=not args.no_naive,
+        log=log,
     )
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -435,3 +508,92 @@ if __name__ == "__main__":
         print(json.dumps(result))
         sys.exit(0)
     raise SystemExit("use: kvcloud-worker bench ttft …")
+
+
+# --- never slower than recompute: the cost model under a throttled store ---------------------
+
+
+def _push_prompts(model: str, store: str, index: str, prompts: list[list[int]],
+                  chunk_tokens: int) -> list[float]:
+    """Prefill every prompt with no store (the plain-recompute figure) and push its pages."""
+    pages = max(len(p) for p in prompts) // chunk_tokens + 4
+    eng = _engine(model, None, None, pages, chunk_tokens=chunk_tokens)
+    ttfts = []
+    with KVCloud.open(store=store, index=index) as kv:
+        for p in prompts:
+            ttfts.append(eng.complete(CompletionRequest(prompt_tokens=p, max_tokens=1)).ttft_ms)
+            eng.push_cached_pages(kv)
+    eng.close()
+    return ttfts
+
+
+def run_costmodel_bench(model: str = "small", prefix_tokens: int = 256,
+                        rate: float = 10e6, per_phase: int = 6, chunk_tokens: int = 256,
+                        workdir: Path | None = None, log: Any = print) -> dict[str, Any]:
+    """Phases: store fast → throttled to ``rate`` bytes/s → fast again. Each request is a new
+    prompt whose KV is in the store; we record what the engine chose and its TTFT."""
+    from kvcloud.netem import ShapingProxy
+
+    own = workdir is None
+    wd = Path(tempfile.mkdtemp(prefix="kvcloud-bench-")) if own else Path(workdir)
+    phases = [("fast", None), ("throttled", rate), ("recovered", None)]
+    n_prompts = per_phase * (len(phases) + 1) + 2
+    prompts = [prompt_for(prefix_tokens, 10_000 + i) for i in range(n_prompts)]
+    try:
+        with local_servers(wd / "servers") as srv, ShapingProxy(
+            "127.0.0.1", int(srv.s3_endpoint.rsplit(":", 1)[1])
+        ) as proxy:
+            direct = (f"s3://kvbench/cost?endpoint_url={srv.s3_endpoint}&region=us-east-1"
+                      "&create_bucket=true")
+            shaped = f"s3://kvbench/cost?endpoint_url={proxy.endpoint}&region=us-east-1"
+            log(f"prefilling and pushing {len(prompts)} prompts of {prefix_tokens} tokens …")
+            recompute = _push_prompts(model, direct, srv.redis_url, prompts, chunk_tokens)
+            base = statistics.median(recompute)
+            pages = prefix_tokens // chunk_tokens + 4
+            eng = _engine(model, shaped, srv.redis_url, pages, chunk_tokens=chunk_tokens,
+                          remote_timeout=5.0)
+            naive_eng = _engine(model, shaped, srv.redis_url, pages, chunk_tokens=chunk_tokens,
+                                remote_timeout=5.0, cost_model=False)
+            it = iter(prompts[2:])
+            # two warm-up requests teach the model the fast store
+            for p in prompts[:2]:
+                eng.complete(CompletionRequest(prompt_tokens=p, max_tokens=1))
+            out: dict[str, Any] = {"plain_recompute_ms": base, "phases": []}
+            for name, r in phases:
+                proxy.set_rate(r)
+                log(f"phase {name}: store at {'full speed' if r is None else f'{r / 1e6:g} MB/s'}")
+                rows = []
+                for k in range(per_phase):
+                    p = next(it)
+                    res = eng.complete(CompletionRequest(prompt_tokens=p, max_tokens=1))
+                    rows.append({"ttft_ms": res.ttft_ms, "restored": res.tokens_remote,
+                                 "bandwidth_MBps": (eng.cost.bandwidth or 0) / 1e6})
+                    if name == "recovered":
+                        time.sleep(eng.cost.probe_interval / 2)  # requests keep arriving
+                    del k
+                ttfts = [x["ttft_ms"] for x in rows]
+                phase: dict[str, Any] = {
+                    "phase": name,
+                    "rate_MBps": None if r is None else r / 1e6,
+                    "requests": rows,
+                    "median_ttft_ms": statistics.median(ttfts),
+                    "ratio_to_recompute": statistics.median(ttfts) / base,
+                    "restored_requests": sum(1 for x in rows if x["restored"]),
+                }
+                if name == "throttled":
+                    p = next(it)
+                    blind = naive_eng.complete(CompletionRequest(prompt_tokens=p, max_tokens=1))
+                    phase["without_cost_model_ttft_ms"] = blind.ttft_ms
+                    phase["without_cost_model_ratio"] = blind.ttft_ms / base
+                if name == "recovered":
+                    first = next((i for i, x in enumerate(rows) if x["restored"]), None)
+                    phase["requests_until_restore_resumed"] = first
+                out["phases"].append(phase)
+            eng.close()
+            naive_eng.close()
+    finally:
+        if own:
+            shutil.rmtree(wd, ignore_errors=True)
+    out.update({"bench": "costmodel", "model": model, "prefix_tokens": prefix_tokens,
+                "machine": machine()})
+    return out

@@ -64,6 +64,9 @@ class WorkerOptions:
     remote_timeout: float = field(default=2.0, metadata={"env": "KVCLOUD_REMOTE_TIMEOUT"})
     """Seconds a store or index call may take on the request path before it counts as a miss."""
 
+    cost_model: bool = field(default=True, metadata={"env": "KVCLOUD_COST_MODEL"})
+    """Pull a remote hit only when the measured store speed beats recomputing it."""
+
     tenant: str = field(default="default", metadata={"env": "KVCLOUD_TENANT"})
     """Tenant for requests that do not name one."""
 
@@ -89,7 +92,9 @@ class WorkerOptions:
             name = f.metadata.get("env")
             if name and env.get(name):
                 raw = env[name]
-                if f.type in ("int", int):
+                if f.type in ("bool", bool):
+                    values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+                elif f.type in ("int", int):
                     values[f.name] = int(raw)
                 elif f.type in ("float", float):
                     values[f.name] = float(raw)

@@ -16,6 +16,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,7 @@ from kvcloud.namespace import (
 )
 
 from .config import WorkerOptions
+from .costmodel import CostModel
 from .errors import (
     BadRequestError,
     CacheFullError,
@@ -123,6 +125,15 @@ class Metrics:
         self.flushes = Counter(
             "kvcloud_worker_session_flushes", "Session flushes", ["result"], registry=r
         )
+        self.decisions = Counter(
+            "kvcloud_worker_cost_decisions",
+            "Remote hits: pulled in full, in part, or recomputed",
+            ["decision"],
+            registry=r,
+        )
+        self.bandwidth = Gauge(
+            "kvcloud_worker_store_bandwidth_bytes", "Learnt pull bandwidth (bytes/s)", registry=r
+        )
 
 
 class Engine:
@@ -160,6 +171,8 @@ class Engine:
         self._tenant_keys: dict[str, bytes] = {}
         self.kv: KVCloud | None = None
         self.uploader: Uploader | None = None
+        self.cost = CostModel(self.cfg, self.c, enabled=options.cost_model)
+        self._prober = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcloud-probe")
         if options.store:
             self.kv = KVCloud.open(
                 store=options.store,
@@ -171,6 +184,7 @@ class Engine:
             self.kv.store.prewarm()
             if options.write_policy != "off":
                 self.uploader = Uploader(self.kv, self.ns, options.upload_queue, self._on_upload)
+        self._calibrate()
         self._update_gauges()
         log.info(
             "worker %s: model %s on %s, %d pages of %d tokens (%s), store %s",
@@ -215,6 +229,42 @@ class Engine:
     def _page_array(self, page: int, n_tokens: int | None = None) -> np.ndarray:
         """Host copy of a page for pushing (the page itself may be reused meanwhile)."""
         return self.pool.to_host(page, n_tokens)
+
+    def _calibrate(self) -> None:
+        """Two scratch prefills: the first warms torch up, the second seeds the cost model's
+        prefill rate, so the very first remote hit is judged on a measured speed."""
+        n = min(128, self.max_context // 2, self.c * self.pool.n_pages)
+        pages = []
+        try:
+            for _ in range(-(-n // self.c)):
+                pages.append(self._alloc())
+            seq = SeqPages(self.pool, pages)
+            toks = torch.arange(n, dtype=torch.long) % self.cfg.vocab_size
+            for _ in range(2):
+                t0 = time.perf_counter()
+                self.model(toks, 0, seq)
+                elapsed = time.perf_counter() - t0
+            self.cost.observe_prefill(n, 0, elapsed)
+        finally:
+            for p in pages:
+                self.pool.release(p)
+
+    def _probe(self, m: Any) -> None:
+        """Re-measure the store off the request path with one chunk (verified, discarded)."""
+        assert self.kv is not None
+        kv = self.kv
+        buf = np.empty(self.ns.kv_shape(self.c), self.ns.dtype_info.storage)
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            res = kv.pull_into(m, [buf])
+            elapsed = time.perf_counter() - t0
+            size = m.chunks[0].entry.size or self.ns.chunk_bytes
+            self.cost.observe_pull(res.bytes if res.chunks else size, elapsed)
+            if self.cost.bandwidth:
+                self.metrics.bandwidth.set(self.cost.bandwidth)
+
+        self._prober.submit(run)
 
     # -- page allocation and eviction -------------------------------------------------------
 
@@ -306,16 +356,35 @@ class Engine:
         m = self.kv.lookup_fingerprints(self.ns, fps[i:], tenant, start=i, parent=parent)
         if not m.chunks:
             return
+        decision = self.cost.decide(i, [ref.entry.size or self.ns.chunk_bytes for ref in m.chunks])
+        if decision.chunks < len(m.chunks):
+            self.metrics.decisions.labels("recompute" if decision.chunks == 0 else "partial").inc()
+            if self.cost.should_probe():
+                first_skipped = m.chunks[decision.chunks]
+                self._probe(type(m)(m.ns, m.tenant, (first_skipped,), m.prompt_chunks))
+        else:
+            self.metrics.decisions.labels("restore").inc()
+        if decision.chunks == 0:
+            return
+        chunks = m.chunks[: decision.chunks]
         pages: list[int] = []
         try:
-            for _ in m.chunks:
+            for _ in chunks:
                 pages.append(self._alloc())
         except CacheFullError:
             pass  # restore what fits; the rest is recomputed
         if not pages:
             return
-        sub = type(m)(m.ns, m.tenant, m.chunks[: len(pages)], m.prompt_chunks)
-        res = self._pull(sub, pages)
+        sub = type(m)(m.ns, m.tenant, chunks[: len(pages)], m.prompt_chunks)
+        t0 = time.perf_counter()
+        res, nbytes = self._pull(sub, pages)
+        elapsed = time.perf_counter() - t0
+        expected = sum(ref.entry.size or self.ns.chunk_bytes for ref in sub.chunks)
+        # a pull that delivered nothing in that time (stalled, unreachable) teaches the model
+        # just as much as a fast one
+        self.cost.observe_pull(nbytes if res else expected, elapsed)
+        if self.cost.bandwidth:
+            self.metrics.bandwidth.set(self.cost.bandwidth)
         for j, page in enumerate(pages):
             if j < res:
                 ref = sub.chunks[j]
@@ -323,22 +392,22 @@ class Engine:
                 acq.slots.append(Slot(page, ref.fp))
             else:
                 self.pool.release(page)
-        if res < len(m.chunks):
-            self.metrics.fallbacks.inc(len(m.chunks) - res)
+        if res < len(sub.chunks):
+            self.metrics.fallbacks.inc(len(sub.chunks) - res)
         acq.remote += res * self.c
         acq.cached += res * self.c
 
-    def _pull(self, m: Any, pages: list[int]) -> int:
-        """Pull matched chunks into pages; returns how many leading chunks are valid."""
+    def _pull(self, m: Any, pages: list[int]) -> tuple[int, int]:
+        """Pull matched chunks into pages; returns (leading valid chunks, bytes pulled)."""
         assert self.kv is not None
         if self.device.type == "cpu":
             res = self.kv.pull_into(m, [self.pool.host_view(p) for p in pages])
-            return res.chunks
+            return res.chunks, res.bytes
         staging = [np.empty(self.ns.kv_shape(self.c), self.ns.dtype_info.storage) for _ in pages]
         res = self.kv.pull_into(m, staging)
         for j in range(res.chunks):
             self.pool.from_host(pages[j], staging[j])
-        return res.chunks
+        return res.chunks, res.bytes
 
     def _restore_session(self, session_id: str, tenant: str) -> tuple[LocalSession, int, int]:
         """Load a session another worker flushed. Returns it with (local, remote) tokens."""
@@ -371,7 +440,7 @@ class Engine:
                 pass
             if pages:
                 sub = type(m)(m.ns, m.tenant, tuple(rest[: len(pages)]), m.prompt_chunks)
-                ok = self._pull(sub, pages)
+                ok, _ = self._pull(sub, pages)
                 for j, page in enumerate(pages):
                     if j < ok and rest[j].fp not in self.prefix:
                         self.prefix.insert(rest[j].fp, rest[j].parent, page, stored=True)
@@ -531,7 +600,9 @@ class Engine:
         ensure(len(tokens))
         seq = SeqPages(self.pool, [s.page for s in slots])
         inp = torch.tensor(tokens[cached:], dtype=torch.long)
+        t_prefill = time.perf_counter()
         logits = self.model(inp, cached, seq)
+        self.cost.observe_prefill(computed, cached, time.perf_counter() - t_prefill)
         chain = list(fps)
         for j in range(cached // c, len(tokens) // c):
             self._register_full(slots[j], chain[j], chain[j - 1] if j else self.ns.digest)
@@ -723,8 +794,11 @@ class Engine:
             return 0
         written = 0
         with self._lock:
-            chunks = [(cp.fp, cp.parent, self._page_array(cp.page))
-                      for cp in self.prefix.pages() if kv is not None or not cp.stored]
+            chunks = [
+                (cp.fp, cp.parent, self._page_array(cp.page))
+                for cp in self.prefix.pages()
+                if kv is not None or not cp.stored
+            ]
             if chunks:
                 written = target.push_chunks(self.ns, chunks).bytes_written
             if kv is None:
@@ -750,6 +824,7 @@ class Engine:
         }
 
     def close(self) -> None:
+        self._prober.shutdown(wait=False, cancel_futures=True)
         if self.uploader is not None:
             self.uploader.close()
         if self.kv is not None:
