@@ -93,10 +93,8 @@ class ShapingProxy(Closing):
             upstream.settimeout(None)
             with self._lock:
                 self._conns.update((client, upstream))
-            threading.Thread(target=self._pump, args=(client, upstream, False),
-                             daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, True),
-                             daemon=True).start()
+            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket, shaped: bool) -> None:
         try:

@@ -513,8 +513,9 @@ if __name__ == "__main__":
 # --- never slower than recompute: the cost model under a throttled store ---------------------
 
 
-def _push_prompts(model: str, store: str, index: str, prompts: list[list[int]],
-                  chunk_tokens: int) -> list[float]:
+def _push_prompts(
+    model: str, store: str, index: str, prompts: list[list[int]], chunk_tokens: int
+) -> list[float]:
     """Prefill every prompt with no store (the plain-recompute figure) and push its pages."""
     pages = max(len(p) for p in prompts) // chunk_tokens + 4
     eng = _engine(model, None, None, pages, chunk_tokens=chunk_tokens)
@@ -527,9 +528,15 @@ def _push_prompts(model: str, store: str, index: str, prompts: list[list[int]],
     return ttfts
 
 
-def run_costmodel_bench(model: str = "small", prefix_tokens: int = 256,
-                        rate: float = 10e6, per_phase: int = 6, chunk_tokens: int = 256,
-                        workdir: Path | None = None, log: Any = print) -> dict[str, Any]:
+def run_costmodel_bench(
+    model: str = "small",
+    prefix_tokens: int = 256,
+    rate: float = 10e6,
+    per_phase: int = 6,
+    chunk_tokens: int = 256,
+    workdir: Path | None = None,
+    log: Any = print,
+) -> dict[str, Any]:
     """Phases: store fast → throttled to ``rate`` bytes/s → fast again. Each request is a new
     prompt whose KV is in the store; we record what the engine chose and its TTFT."""
     from kvcloud.netem import ShapingProxy
@@ -540,20 +547,31 @@ def run_costmodel_bench(model: str = "small", prefix_tokens: int = 256,
     n_prompts = per_phase * (len(phases) + 1) + 2
     prompts = [prompt_for(prefix_tokens, 10_000 + i) for i in range(n_prompts)]
     try:
-        with local_servers(wd / "servers") as srv, ShapingProxy(
-            "127.0.0.1", int(srv.s3_endpoint.rsplit(":", 1)[1])
-        ) as proxy:
-            direct = (f"s3://kvbench/cost?endpoint_url={srv.s3_endpoint}&region=us-east-1"
-                      "&create_bucket=true")
+        with (
+            local_servers(wd / "servers") as srv,
+            ShapingProxy("127.0.0.1", int(srv.s3_endpoint.rsplit(":", 1)[1])) as proxy,
+        ):
+            direct = (
+                f"s3://kvbench/cost?endpoint_url={srv.s3_endpoint}&region=us-east-1"
+                "&create_bucket=true"
+            )
             shaped = f"s3://kvbench/cost?endpoint_url={proxy.endpoint}&region=us-east-1"
             log(f"prefilling and pushing {len(prompts)} prompts of {prefix_tokens} tokens …")
             recompute = _push_prompts(model, direct, srv.redis_url, prompts, chunk_tokens)
             base = statistics.median(recompute)
             pages = prefix_tokens // chunk_tokens + 4
-            eng = _engine(model, shaped, srv.redis_url, pages, chunk_tokens=chunk_tokens,
-                          remote_timeout=5.0)
-            naive_eng = _engine(model, shaped, srv.redis_url, pages, chunk_tokens=chunk_tokens,
-                                remote_timeout=5.0, cost_model=False)
+            eng = _engine(
+                model, shaped, srv.redis_url, pages, chunk_tokens=chunk_tokens, remote_timeout=5.0
+            )
+            naive_eng = _engine(
+                model,
+                shaped,
+                srv.redis_url,
+                pages,
+                chunk_tokens=chunk_tokens,
+                remote_timeout=5.0,
+                cost_model=False,
+            )
             it = iter(prompts[2:])
             # two warm-up requests teach the model the fast store
             for p in prompts[:2]:
@@ -566,8 +584,13 @@ def run_costmodel_bench(model: str = "small", prefix_tokens: int = 256,
                 for k in range(per_phase):
                     p = next(it)
                     res = eng.complete(CompletionRequest(prompt_tokens=p, max_tokens=1))
-                    rows.append({"ttft_ms": res.ttft_ms, "restored": res.tokens_remote,
-                                 "bandwidth_MBps": (eng.cost.bandwidth or 0) / 1e6})
+                    rows.append(
+                        {
+                            "ttft_ms": res.ttft_ms,
+                            "restored": res.tokens_remote,
+                            "bandwidth_MBps": (eng.cost.bandwidth or 0) / 1e6,
+                        }
+                    )
                     if name == "recovered":
                         time.sleep(eng.cost.probe_interval / 2)  # requests keep arriving
                     del k
@@ -594,6 +617,7 @@ def run_costmodel_bench(model: str = "small", prefix_tokens: int = 256,
     finally:
         if own:
             shutil.rmtree(wd, ignore_errors=True)
-    out.update({"bench": "costmodel", "model": model, "prefix_tokens": prefix_tokens,
-                "machine": machine()})
+    out.update(
+        {"bench": "costmodel", "model": model, "prefix_tokens": prefix_tokens, "machine": machine()}
+    )
     return out

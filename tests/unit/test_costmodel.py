@@ -45,14 +45,23 @@ def _prompt(n: int, seed: int) -> list[int]:
 def test_engine_recomputes_on_a_slow_store_and_relearns(tmp_path: Path) -> None:
     store, index = f"file://{tmp_path / 'o'}", f"sqlite://{tmp_path / 'i.db'}"
     # the small preset: recomputing a chunk clearly costs more than pulling it from disk
-    pusher = Engine(WorkerOptions(model="small", chunk_tokens=C, cache_pages=32, store=store,
-                                  index=index, write_policy="write-through"))
+    pusher = Engine(
+        WorkerOptions(
+            model="small",
+            chunk_tokens=C,
+            cache_pages=32,
+            store=store,
+            index=index,
+            write_policy="write-through",
+        )
+    )
     prompts = [_prompt(8 * C, s) for s in range(3)]
     for p in prompts:
         pusher.complete(CompletionRequest(prompt_tokens=p, max_tokens=1))
     assert pusher.uploader is not None and pusher.uploader.drain(10)
-    e = Engine(WorkerOptions(model="small", chunk_tokens=C, cache_pages=32, store=store,
-                             index=index))
+    e = Engine(
+        WorkerOptions(model="small", chunk_tokens=C, cache_pages=32, store=store, index=index)
+    )
     e.cost.probe_interval = 0.0
     # pretend the store is crawling: the model must recompute instead of pulling
     e.cost.bandwidth = 1.0
