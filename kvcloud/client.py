@@ -321,31 +321,47 @@ class KVCloud(Closing):
             else:
                 todo.append(i)
 
-        def store_one(i: int) -> tuple[int, str, bool, int]:
+        def store_one(i: int) -> tuple[int, str, bool, IndexEntry]:
             fp, parent, kv = chunks[i]
             seg = encode_segment(ns, fp, parent, kv, codec=codec)
             key = seg.key()
-            created = self.store.put(key, seg.data)  # the object first ...
-            entry = IndexEntry(key, seg.header.n_tokens, len(seg.data), time.time())
-            self.index.register(ns.id, fp.hex(), entry)  # ... then the entry (invariant 1)
-            return i, key, created, len(seg.data)
+            created = self.store.put(key, seg.data)
+            return i, key, created, IndexEntry(key, seg.header.n_tokens, len(seg.data), 0.0)
 
         errors: list[BaseException] = []
         if len(todo) == 1:
             outcomes: list[Any] = [self._attempt(store_one, todo[0])]
         else:
             outcomes = list(self.store.executor.map(lambda i: self._attempt(store_one, i), todo))
+        stored: list[tuple[int, str, bool, IndexEntry]] = []
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 errors.append(outcome)
                 result.failed += 1
-                continue
-            i, key, created, size = outcome
+            else:
+                stored.append(outcome)
+        if stored:
+            # every object is stored before any entry names it (invariant 1), and all the
+            # entries go in one round trip
+            now = time.time()
+            try:
+                self.index.register_many(
+                    ns.id,
+                    [
+                        (chunks[i][0].hex(), IndexEntry(e.object_key, e.n_tokens, e.size, now))
+                        for i, _, _, e in stored
+                    ],
+                )
+            except KVCloudError as exc:
+                errors.append(exc)
+                result.failed += len(stored)
+                stored = []
+        for i, key, created, entry in stored:
             result.keys[i] = key
             result.pushed += 1
             if created:
                 result.objects_written += 1
-                result.bytes_written += size
+                result.bytes_written += entry.size
         self._count(
             chunks_pushed=result.pushed,
             objects_written=result.objects_written,

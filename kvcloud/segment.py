@@ -352,6 +352,8 @@ def decode_segment(
 
 # --- streaming decode: straight into the destination -----------------------------------------
 
+_STREAM_PIECE = 256 * 1024
+
 
 class Reader(Protocol):
     def read(self, n: int = -1, /) -> bytes: ...
@@ -421,8 +423,11 @@ def read_segment_into(
         raise LayoutError(f"out has shape {list(out.shape)}, object {list(header.shape)}")
     if header.codec == "raw" and out.flags.c_contiguous:
         view = memoryview(out.reshape(-1).view(np.uint8))
-        _readinto_exact(reader, view)
-        h.update(view)
+        # hash each piece right after it lands, while it is still in cache
+        for off in range(0, len(view), _STREAM_PIECE):
+            piece = view[off : off + _STREAM_PIECE]
+            _readinto_exact(reader, piece)
+            h.update(piece)
     else:
         # compressed payloads are at most a little larger than what they decode to
         if header.payload_len > header.raw_len + (1 << 20):

@@ -38,6 +38,7 @@ from kvcloud.config import redact_url
 from .config import WorkerOptions
 from .engine import Engine
 from .types import CompletionRequest
+from .uploader import UploadItem
 
 DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
 
@@ -163,6 +164,40 @@ def open_backends(names: list[str], workdir: Path) -> Iterator[list[Backend]]:
 def prompt_for(length: int, rep: int) -> list[int]:
     rng = np.random.default_rng(1_000_003 * length + rep)
     return [int(t) for t in rng.integers(0, 256, length)]
+
+
+class RssSampler:
+    """Peak resident memory of this process while a block runs (sampled every ~1 ms)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.before = self.peak = self.rss()
+
+    def rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, self.rss())
+
+    def __enter__(self) -> RssSampler:
+        self.before = self.peak = self.rss()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.rss())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.before
 
 
 # --- the naive baseline ----------------------------------------------------------------------
@@ -330,13 +365,24 @@ def run_ttft_bench(
                 eng = _engine(model, b.store, b.index, pages, chunk_tokens=chunk_tokens)
                 rows: dict[str, list[float]] = {}
                 remote: dict[str, int] = {}
+                memory: dict[str, dict[str, float]] = {}
                 for length in lengths:
                     for rep in range(repeat):
-                        r = eng.complete(
-                            CompletionRequest(prompt_tokens=prompt_for(length, rep), max_tokens=1)
-                        )
+                        with RssSampler() as rss:
+                            r = eng.complete(
+                                CompletionRequest(
+                                    prompt_tokens=prompt_for(length, rep), max_tokens=1
+                                )
+                            )
                         rows.setdefault(str(length), []).append(r.ttft_ms)
                         remote[str(length)] = r.tokens_remote
+                        restored = r.tokens_remote * eng.ns.bytes_per_token
+                        memory[str(length)] = {
+                            "restored_bytes": restored,
+                            "peak_extra_rss_bytes": rss.extra,
+                            "ratio": rss.extra / restored if restored else float("nan"),
+                        }
+                results[f"memory:{b.name}"] = memory
                 eng.close()
                 results[f"restore:{b.name}"] = rows
                 results[f"restored_tokens:{b.name}"] = remote
@@ -387,7 +433,7 @@ def summarise(
         vals = results.get(method, {}).get(str(length))
         return statistics.median(vals) if vals else None
 
-    methods = [m for m in results if not m.startswith("restored_tokens")]
+    methods = [m for m in results if not m.startswith(("restored_tokens", "memory"))]
     table = []
     for length in lengths:
         row: dict[str, Any] = {"prefix_tokens": length}
@@ -399,6 +445,9 @@ def summarise(
                 row[f"speedup_{m}"] = base / v
         for b in backends:
             row[f"restored_tokens:{b}"] = results.get(f"restored_tokens:{b}", {}).get(str(length))
+            mem = results.get(f"memory:{b}", {}).get(str(length))
+            if mem:
+                row[f"restore_extra_rss_ratio:{b}"] = mem["ratio"]
         table.append(row)
     return {
         "bench": "ttft",
@@ -410,7 +459,8 @@ def summarise(
         },
         "machine": machine(),
         "rows": table,
-        "raw_ms": {k: v for k, v in results.items() if not k.startswith("restored_tokens")},
+        "raw_ms": {k: v for k, v in results.items() if k in methods},
+        "memory": {k: v for k, v in results.items() if k.startswith("memory")},
     }
 
 
@@ -621,3 +671,76 @@ def run_costmodel_bench(
         {"bench": "costmodel", "model": model, "prefix_tokens": prefix_tokens, "machine": machine()}
     )
     return out
+
+
+# --- decode throughput while the uploader is busy --------------------------------------------
+
+
+def run_decode_bench(
+    model: str = "small",
+    tokens: int = 48,
+    prompt_tokens: int = 512,
+    upload_pages: int = 48,
+    rounds: int = 3,
+    backend: str = "file",
+    chunk_tokens: int = 256,
+    workdir: Path | None = None,
+    log: Any = print,
+) -> dict[str, Any]:
+    """Decode tokens/s with an idle uploader vs one pushing ``upload_pages`` pages."""
+    own = workdir is None
+    wd = Path(tempfile.mkdtemp(prefix="kvcloud-bench-")) if own else Path(workdir)
+    try:
+        with open_backends([backend], wd) as (b,):
+            pages = (prompt_tokens + tokens) // chunk_tokens + 4
+            eng = Engine(
+                WorkerOptions(
+                    model=model,
+                    store=b.store,
+                    index=b.index,
+                    cache_pages=pages,
+                    chunk_tokens=chunk_tokens,
+                    upload_queue=upload_pages + 8,
+                    worker_id="bench",
+                )
+            )
+            assert eng.uploader is not None
+            rng = np.random.default_rng(7)
+            idle, busy, busy_depth = [], [], []
+            for rnd in range(rounds):
+                for mode in ("idle", "busy"):
+                    if mode == "busy":
+                        for _ in range(upload_pages):
+                            arr = rng.integers(
+                                0, 2**16, eng.ns.kv_shape(chunk_tokens), dtype=np.uint16
+                            ).view(np.float16)
+                            eng.uploader.offer(UploadItem(rng.bytes(32), eng.ns.digest, arr))
+                    p = prompt_for(prompt_tokens, 500 + 2 * rnd + (mode == "busy"))
+                    r = eng.complete(
+                        CompletionRequest(prompt_tokens=p, max_tokens=tokens, stop_at_eos=False)
+                    )
+                    rate = (tokens - 1) / ((r.total_ms - r.ttft_ms) / 1000.0)
+                    (busy if mode == "busy" else idle).append(rate)
+                    if mode == "busy":
+                        busy_depth.append(eng.uploader.depth)
+                    eng.uploader.drain(120)
+                log(f"round {rnd + 1}: idle {idle[-1]:.1f} tok/s, busy {busy[-1]:.1f} tok/s")
+            eng.close()
+    finally:
+        if own:
+            shutil.rmtree(wd, ignore_errors=True)
+    mi, mb = statistics.median(idle), statistics.median(busy)
+    return {
+        "bench": "decode",
+        "model": model,
+        "backend": backend,
+        "tokens": tokens,
+        "upload_pages": upload_pages,
+        "idle_tok_s": idle,
+        "busy_tok_s": busy,
+        "queue_left_after_busy_run": busy_depth,
+        "median_idle": mi,
+        "median_busy": mb,
+        "cost_pct": 100.0 * (1 - mb / mi),
+        "machine": machine(),
+    }

@@ -509,11 +509,16 @@ class Engine:
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in req.prompt_tokens):
             raise BadRequestError(f"token ids must be integers in [0, {vocab})")
         with self._lock:
+            if self.uploader is not None:
+                self.uploader.foreground(True)
             try:
                 result = self._complete_locked(req)
             except Exception:
                 self.metrics.requests.labels("error").inc()
                 raise
+            finally:
+                if self.uploader is not None:
+                    self.uploader.foreground(False)
             self.metrics.requests.labels("ok").inc()
             self._update_gauges()
             return result

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -36,6 +37,7 @@ class Uploader:
         ns: Namespace,
         maxsize: int,
         on_result: Callable[[str, int], None] | None = None,
+        busy_duty: float = 0.05,
     ) -> None:
         self.kv = kv
         self.ns = ns
@@ -43,10 +45,23 @@ class Uploader:
         self._on_result = on_result or (lambda result, nbytes: None)
         self._idle = threading.Event()
         self._idle.set()
+        # While requests run, uploads take at most this share of wall time: on a CPU-bound
+        # worker the uploader's Python work competes for the GIL and the cores with decoding
+        # (and a nice value does not cover the GIL). Between requests it runs flat out.
+        self.busy_duty = busy_duty
+        self._fg_idle = threading.Event()
+        self._fg_idle.set()
         self._inflight = 0
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="kvcloud-uploader", daemon=True)
         self._thread.start()
+
+    def foreground(self, busy: bool) -> None:
+        """The engine says whether a request is running."""
+        if busy:
+            self._fg_idle.clear()
+        else:
+            self._fg_idle.set()
 
     @property
     def depth(self) -> int:
@@ -65,10 +80,16 @@ class Uploader:
         return True
 
     def _run(self) -> None:
+        # Uploads are background work: on a box where torch keeps every core busy, a
+        # full-priority uploader would steal decode time. Linux lets a thread lower its own
+        # priority (its native id is a task id); elsewhere this is a no-op.
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while True:
             item = self._q.get()
             if item is None:
                 return
+            started = time.perf_counter()
             ok = False
             try:
                 res = self.kv.push_chunks(self.ns, [(item.fp, item.parent, item.kv)])
@@ -86,6 +107,10 @@ class Uploader:
                 self._inflight -= 1
                 if self._inflight == 0:
                     self._idle.set()
+            if not self._fg_idle.is_set() and 0 < self.busy_duty < 1:
+                spent = time.perf_counter() - started
+                # back off, but wake at once when the request finishes
+                self._fg_idle.wait(spent * (1 - self.busy_duty) / self.busy_duty)
 
     def drain(self, timeout: float) -> bool:
         """Wait until every queued upload finished; False on timeout."""

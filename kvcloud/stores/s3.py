@@ -8,6 +8,7 @@ travel in the store URL, so the URL can be logged as is.
 
 from __future__ import annotations
 
+import io
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -116,6 +117,12 @@ class S3Config:
     """Send ``If-None-Match: *`` so an existing object is not rewritten and ``put`` can report
     it. Turn off for servers that reject the header. URL: ``?conditional_put=…``."""
 
+    sign_payload: bool = field(default=False, metadata={"query": "sign_payload"})
+    """SigV4-sign the body (``x-amz-content-sha256`` of the payload) instead of sending
+    ``UNSIGNED-PAYLOAD``. Off by default: every kvcloud object is content-addressed and its
+    SHA-256 is verified on every read, so signing would hash each PUT a second time for no
+    extra integrity. Headers are always signed. URL: ``?sign_payload=…``."""
+
     create_bucket: bool = field(default=False, metadata={"query": "create_bucket"})
     """Create the bucket when the store is opened if it does not exist (tests, demos).
     URL: ``?create_bucket=…``."""
@@ -216,7 +223,10 @@ class S3Config:
 
         return Config(
             region_name=self.region,
-            s3={"addressing_style": self.addressing_style},
+            s3={
+                "addressing_style": self.addressing_style,
+                "payload_signing_enabled": bool(self.sign_payload),
+            },
             # total_max_attempts counts the first try; botocore's "max_attempts" key would
             # count only retries, which is not what the field (or AWS_MAX_ATTEMPTS) means.
             retries={"total_max_attempts": int(self.max_attempts), "mode": "standard"},
@@ -237,6 +247,7 @@ _CONVERTERS: dict[str, Callable[[str], Any]] = {
     "read_timeout": float,
     "conditional_put": _env_bool,
     "create_bucket": _env_bool,
+    "sign_payload": _env_bool,
 }
 
 
@@ -386,8 +397,8 @@ class S3Store(ObjectStore):
         from botocore.exceptions import BotoCoreError, ClientError
 
         s3_key = self._s3_key(key)
-        # botocore takes bytes or a file, not arbitrary buffers.
-        body = data if isinstance(data, bytes) else bytes(data)
+        # a file-like view: no copy of the object before it goes on the wire
+        body = data if isinstance(data, bytes) else _BufferBody(data)
         kwargs: dict[str, Any] = {"Bucket": self.config.bucket, "Key": s3_key, "Body": body}
         if self.config.conditional_put:
             kwargs["IfNoneMatch"] = "*"
@@ -507,6 +518,38 @@ class S3Store(ObjectStore):
 
 
 __all__ = ["S3Config", "S3Store"]
+
+
+class _BufferBody(io.RawIOBase):
+    """A seekable read-only file over a buffer (botocore sizes and rewinds it for retries)."""
+
+    def __init__(self, data: Buffer) -> None:
+        super().__init__()
+        self._mv = memoryview(data).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), len(self._mv) - self._pos))
+        b[:n] = self._mv[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._mv)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def __len__(self) -> int:
+        return len(self._mv)
 
 
 class _BodyReader:

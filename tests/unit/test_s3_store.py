@@ -174,7 +174,7 @@ def test_client_settings() -> None:
     store = offline_store(max_connections=7, connect_timeout=0.25, read_timeout=3.5, max_attempts=4)
     try:
         cfg = store._client.meta.config
-        assert cfg.s3 == {"addressing_style": "path"}
+        assert cfg.s3 == {"addressing_style": "path", "payload_signing_enabled": False}
         assert cfg.request_checksum_calculation == "when_required"
         assert cfg.response_checksum_validation == "when_required"
         assert cfg.max_pool_connections == 7 == store.max_workers
@@ -386,3 +386,20 @@ def test_missing_boto3_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> 
         S3Store(config)
     with pytest.raises(ConfigError, match=r"kvcloud\[s3\]"):
         open_store("s3://b/p")
+
+
+def test_payload_signing_is_optional_and_puts_still_work(moto_server) -> None:  # type: ignore[no-untyped-def]
+    """Unsigned payloads are the default (objects verify themselves); signed ones work too."""
+    import uuid
+
+    from kvcloud.stores import open_store
+
+    for sign in ("false", "true"):
+        url = (
+            f"{moto_server.store_url('kvcloud', f'sig-{uuid.uuid4().hex[:8]}')}"
+            f"&create_bucket=true&sign_payload={sign}"
+        )
+        with open_store(url) as store:
+            assert store.config.botocore_config().s3["payload_signing_enabled"] is (sign == "true")
+            assert store.put("a/b", bytearray(b"x" * 100_000))
+            assert store.get("a/b") == b"x" * 100_000
