@@ -61,6 +61,11 @@ class Index(Closing, ABC):
         Call only after the object is durably stored (invariant 1).
         """
 
+    def register_many(self, ns: str, entries: Sequence[tuple[str, IndexEntry]]) -> list[bool]:
+        """Register several (fp, entry) pairs with SET NX semantics each; backends do it in
+        one round trip. Call only after every object is durably stored (invariant 1)."""
+        return [self.register(ns, fp, entry) for fp, entry in entries]
+
     @abstractmethod
     def lookup(
         self, ns: str, fps: Sequence[str], counters: Mapping[str, int] | None = None
