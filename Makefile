@@ -24,7 +24,7 @@ test: install
 	$(BIN)/python -m pytest -q
 
 bench: install
-	@echo "make bench: the benchmark suite is not written yet (tracked in issue 4)"; exit 1
+	$(BIN)/kvcloud-worker bench suite --out docs/bench
 
 lint: install
 	$(BIN)/ruff check .

@@ -62,65 +62,15 @@ class _Servers:
 
 @contextlib.contextmanager
 def local_servers(workdir: Path) -> Iterator[_Servers]:
-    """A moto_server and a redis-server on free ports, for as long as the block runs."""
-    import socket
+    """kvcloud's own bench servers (moto_server + redis-server), as endpoints."""
+    from urllib.parse import parse_qs, urlsplit
 
-    def port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return int(s.getsockname()[1])
+    from kvcloud.bench import local_servers as _kvcloud_servers
 
-    workdir.mkdir(parents=True, exist_ok=True)
-    moto = Path(sys.executable).with_name("moto_server")
-    redis_bin = shutil.which("redis-server")
-    if not moto.exists() or redis_bin is None:
-        raise RuntimeError(
-            "the servers backend needs moto_server (pip install 'moto[server]') "
-            "and redis-server (apt-get install redis-server)"
-        )
-    mp, rp = port(), port()
-    procs = [
-        subprocess.Popen(
-            [str(moto), "-H", "127.0.0.1", "-p", str(mp)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        ),
-        subprocess.Popen(
-            [
-                redis_bin,
-                "--port",
-                str(rp),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(workdir),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        ),
-    ]
-    try:
-        for p in (mp, rp):
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", p), timeout=0.5).close()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"server on port {p} did not start") from None
-                    time.sleep(0.1)
-        os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
-        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
-        yield _Servers(f"http://127.0.0.1:{mp}", f"redis://127.0.0.1:{rp}/0")
-    finally:
-        for proc in procs:
-            proc.terminate()
-            proc.wait(10)
+    del workdir  # kvcloud's helper keeps its own temp dir
+    with _kvcloud_servers() as (store, index):
+        endpoint = parse_qs(urlsplit(store).query)["endpoint_url"][0]
+        yield _Servers(endpoint, index)
 
 
 @contextlib.contextmanager
@@ -513,24 +463,61 @@ def print_table(report: dict[str, Any]) -> None:
     Console().print(t)
 
 
+def _log(quiet: bool) -> Any:
+    return (lambda *_: None) if quiet else (lambda m: print(m, file=sys.stderr))
+
+
+def _emit(report: dict[str, Any], args: argparse.Namespace) -> None:
+    if getattr(args, "json_out", None):
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(report, indent=2))
+    if args.json:
+        print(json.dumps(report, indent=2))
+
+
 def add_bench_parser(sub: Any) -> None:
-    b = sub.add_parser("bench", help="benchmarks (ttft)")
+    b = sub.add_parser("bench", help="benchmarks: ttft, costmodel, decode, suite")
     bsub = b.add_subparsers(dest="bench", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", default="small")
+        p.add_argument("--chunk-tokens", type=int, default=256)
+        p.add_argument("--json", action="store_true", help="print the report as JSON")
+        p.add_argument("--json-out", type=Path, help="also write the JSON report here")
+
     t = bsub.add_parser("ttft", help="TTFT: recompute vs restore vs naive, per prefix length")
+    common(t)
     t.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)))
     t.add_argument("--backends", default="file,servers", help="file and/or servers")
-    t.add_argument("--model", default="small")
     t.add_argument("--repeat", type=int, default=1)
-    t.add_argument("--chunk-tokens", type=int, default=256)
     t.add_argument("--no-naive", action="store_true")
-    t.add_argument("--json-out", type=Path)
-    t.add_argument("--plot", type=Path)
-    t.add_argument("--json", action="store_true")
+    t.add_argument("--plot", type=Path, help="write a PNG of TTFT vs prefix length")
     t.set_defaults(func=cmd_bench_ttft)
+
+    c = bsub.add_parser("costmodel", help="a store throttled to --rate: restore or recompute?")
+    common(c)
+    c.add_argument("--prefix-tokens", type=int, default=256)
+    c.add_argument("--rate", type=float, default=10e6, help="bytes/s while throttled")
+    c.add_argument("--per-phase", type=int, default=6)
+    c.set_defaults(func=cmd_bench_costmodel)
+
+    d = bsub.add_parser("decode", help="decode tokens/s with the uploader idle vs busy")
+    common(d)
+    d.add_argument("--tokens", type=int, default=48)
+    d.add_argument("--upload-pages", type=int, default=48)
+    d.add_argument("--rounds", type=int, default=3)
+    d.add_argument("--backend", default="file", choices=("file", "servers"))
+    d.set_defaults(func=cmd_bench_decode)
+
+    su = bsub.add_parser("suite", help="everything `make bench` runs; writes JSON, PNGs, tables")
+    su.add_argument("--out", type=Path, default=Path("docs/bench"))
+    su.add_argument("--model", default="small")
+    su.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)))
+    su.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
+    su.set_defaults(func=cmd_bench_suite)
 
 
 def cmd_bench_ttft(args: argparse.Namespace) -> int:
-    log = (lambda *_: None) if args.json else (lambda m: print(m, file=sys.stderr))
     report = run_ttft_bench(
         [int(x) for x in args.lengths.split(",") if x],
         [x for x in args.backends.split(",") if x],
@@ -538,17 +525,220 @@ def cmd_bench_ttft(args: argparse.Namespace) -> int:
         repeat=args.repeat,
         chunk_tokens=args.chunk_tokens,
         naive=not args.no_naive,
-        log=log,
+        log=_log(args.json),
     )
-    if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(report, indent=2))
     if args.plot:
         plot(report, args.plot)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
+    _emit(report, args)
+    if not args.json:
         print_table(report)
+    return 0
+
+
+def cmd_bench_costmodel(args: argparse.Namespace) -> int:
+    report = run_costmodel_bench(
+        model=args.model,
+        prefix_tokens=args.prefix_tokens,
+        rate=args.rate,
+        per_phase=args.per_phase,
+        chunk_tokens=args.chunk_tokens,
+        log=_log(args.json),
+    )
+    _emit(report, args)
+    if not args.json:
+        print(costmodel_markdown(report))
+    return 0
+
+
+def cmd_bench_decode(args: argparse.Namespace) -> int:
+    report = run_decode_bench(
+        model=args.model,
+        tokens=args.tokens,
+        upload_pages=args.upload_pages,
+        rounds=args.rounds,
+        backend=args.backend,
+        chunk_tokens=args.chunk_tokens,
+        log=_log(args.json),
+    )
+    _emit(report, args)
+    if not args.json:
+        print(decode_markdown(report))
+    return 0
+
+
+# --- the suite and its Markdown ------------------------------------------------------------------
+
+
+def _fmt(v: float | None, spec: str = ",.0f") -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def ttft_markdown(report: dict[str, Any]) -> str:
+    rows = report["rows"]
+    methods = [k[:-3] for k in rows[0] if k.endswith("_ms")]
+    head = "| prefix tokens | " + " | ".join(f"{m} (ms)" for m in methods) + " |"
+    lines = [head, "|" + "---|" * (len(methods) + 1)]
+    for r in rows:
+        cells = []
+        for m in methods:
+            v, sp = r[f"{m}_ms"], r.get(f"speedup_{m}")
+            cells.append(_fmt(v) + (f" (**{sp:.1f}×**)" if sp else ""))
+        lines.append(f"| {r['prefix_tokens']:,} | " + " | ".join(cells) + " |")
+    mem = report.get("memory", {})
+    if mem:
+        lines += [
+            "",
+            "| restore: peak extra RSS / restored bytes | "
+            + " | ".join(f"{r['prefix_tokens']:,}" for r in rows)
+            + " |",
+            "|" + "---|" * (len(rows) + 1),
+        ]
+        for key, per_len in mem.items():
+            cells = [
+                _fmt(per_len.get(str(r["prefix_tokens"]), {}).get("ratio"), ".2f") for r in rows
+            ]
+            lines.append(f"| {key.split(':', 1)[1]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def store_markdown(report: dict[str, Any]) -> str:
+    out = [
+        "| backend | push GB/s (kvcloud / plain, ratio) | pull → pages GB/s (kvcloud / plain,"
+        " ratio) | lookup 128 chunks p50 / p99 ms | ping p50 / p99 ms | p99 ratio |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in report.items():
+        push, pull, lk = r["push"], r["pull"], r["lookup"]
+        out.append(
+            f"| {name} | {push['kvcloud']['gbps_median']:.3f} / "
+            f"{push['baseline']['gbps_median']:.3f} (**{push['ratio_median']:.2f}×**) | "
+            f"{pull['kvcloud']['gbps_median']:.3f} / {pull['baseline']['gbps_median']:.3f} "
+            f"(**{pull['ratio_median']:.2f}×**) | {lk['kvcloud']['p50_ms']:.2f} / "
+            f"{lk['kvcloud']['p99_ms']:.2f} | {lk['ping']['p50_ms']:.3f} / "
+            f"{lk['ping']['p99_ms']:.3f} | {lk['ratio_p99']:.1f}× |"
+        )
+    return "\n".join(out)
+
+
+def costmodel_markdown(report: dict[str, Any]) -> str:
+    base = report["plain_recompute_ms"]
+    out = [
+        f"plain recompute of a {report['prefix_tokens']}-token prefix: {base:,.0f} ms (median)",
+        "",
+        "| phase | store | requests restored | median TTFT ms | ratio to recompute |",
+        "|---|---|---|---|---|",
+    ]
+    for ph in report["phases"]:
+        rate = "full speed" if ph["rate_MBps"] is None else f"{ph['rate_MBps']:g} MB/s"
+        out.append(
+            f"| {ph['phase']} | {rate} | {ph['restored_requests']} of "
+            f"{len(ph['requests'])} | {ph['median_ttft_ms']:,.0f} | "
+            f"**{ph['ratio_to_recompute']:.2f}×** |"
+        )
+    thr = next(p for p in report["phases"] if p["phase"] == "throttled")
+    rec = next(p for p in report["phases"] if p["phase"] == "recovered")
+    out += [
+        "",
+        f"Without the cost model, the throttled store gives a TTFT of "
+        f"{thr['without_cost_model_ttft_ms']:,.0f} ms "
+        f"({thr['without_cost_model_ratio']:.2f}× recompute). After recovery, restores "
+        f"resumed at request {rec['requests_until_restore_resumed']} "
+        "(0 = the first one).",
+    ]
+    return "\n".join(out)
+
+
+def decode_markdown(report: dict[str, Any]) -> str:
+    return (
+        f"| decode tokens/s ({report['model']}, {report['backend']} store) | median |\n"
+        f"|---|---|\n| uploader idle | {report['median_idle']:.1f} |\n"
+        f"| uploader busy ({report['upload_pages']} pages queued) | "
+        f"{report['median_busy']:.1f} |\n| cost | **{report['cost_pct']:.1f} %** |"
+    )
+
+
+def cmd_bench_suite(args: argparse.Namespace) -> int:
+    from kvcloud.bench import BenchLayout, run_store_bench
+
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    quick = args.quick
+    model = "tiny" if quick else args.model
+    chunk = 16 if quick else 256
+    lengths = [32, 64] if quick else [int(x) for x in args.lengths.split(",") if x]
+    log = _log(False)
+    t0 = time.time()
+    results: dict[str, Any] = {"machine": machine()}
+    log("== store throughput and index lookup ==")
+    layout = BenchLayout.resolve(model=model, chunk_tokens=chunk)
+    store_reports = {}
+    with tempfile.TemporaryDirectory(prefix="kvcloud-bench-") as tmp:
+        store_reports["file + sqlite"] = run_store_bench(
+            f"file://{tmp}/objects",
+            f"sqlite://{tmp}/index.db",
+            layout=layout,
+            chunks=8 if quick else 64,
+            repeat=1 if quick else 3,
+            lookup_iters=20 if quick else 200,
+        )
+    store_reports["moto_server + redis-server"] = run_store_bench(
+        servers=True,
+        layout=layout,
+        chunks=8 if quick else 64,
+        repeat=1 if quick else 3,
+        lookup_iters=20 if quick else 200,
+    )
+    results["store"] = store_reports
+    log("== TTFT: recompute vs restore vs naive ==")
+    results["ttft"] = run_ttft_bench(
+        lengths, ["file", "servers"], model=model, chunk_tokens=chunk, log=log
+    )
+    plot(results["ttft"], out / "ttft.png")
+    log("== cost model under a throttled store ==")
+    results["costmodel"] = run_costmodel_bench(
+        model=model, prefix_tokens=chunk, per_phase=3 if quick else 6, chunk_tokens=chunk, log=log
+    )
+    log("== decode with a busy uploader ==")
+    results["decode"] = run_decode_bench(
+        model=model,
+        tokens=8 if quick else 48,
+        upload_pages=8 if quick else 48,
+        rounds=1 if quick else 3,
+        chunk_tokens=chunk,
+        prompt_tokens=64 if quick else 512,
+        log=log,
+    )
+    results["seconds"] = time.time() - t0
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    md = [
+        f"# Benchmark tables (generated by `make bench`, {time.strftime('%Y-%m-%d %H:%M')})",
+        "",
+        f"Machine: {results['machine']['cpus']} CPUs, {results['machine']['processor']}, "
+        f"{results['machine']['platform']}, Python {results['machine']['python']}, "
+        f"torch {results['machine']['torch']}. Model `{model}`. Total {results['seconds']:.0f} s.",
+        "",
+        "## Store throughput and index lookup",
+        "",
+        store_markdown(store_reports),
+        "",
+        "## TTFT (restore across processes)",
+        "",
+        ttft_markdown(results["ttft"]),
+        "",
+        "![TTFT vs prefix length](ttft.png)",
+        "",
+        "## Cost model",
+        "",
+        costmodel_markdown(results["costmodel"]),
+        "",
+        "## Decode with a busy uploader",
+        "",
+        decode_markdown(results["decode"]),
+        "",
+    ]
+    (out / "TABLES.md").write_text("\n".join(md))
+    print("\n".join(md))
+    log(f"wrote {out / 'results.json'}, {out / 'TABLES.md'}, {out / 'ttft.png'}")
     return 0
 
 

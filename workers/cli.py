@@ -217,6 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-access-log", action="store_true", help="do not log every request")
     add_engine_flags(s)
     s.set_defaults(func=cmd_serve)
+
+    from .bench import add_bench_parser
+
+    add_bench_parser(sub)
     return p
 
 
