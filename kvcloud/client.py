@@ -54,7 +54,7 @@ SESSION_RECORD_VERSION = 1
 _MAX_SESSION_ID = 256
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChunkRef:
     """One matched chunk: its position, fingerprints and index entry."""
 

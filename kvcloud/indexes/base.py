@@ -13,7 +13,7 @@ from .._closing import Closing
 DEFAULT_TTL_SECONDS = 7 * 24 * 3600
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class IndexEntry:
     """What the index knows about one (namespace, fingerprint)."""
 

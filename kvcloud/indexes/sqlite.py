@@ -212,26 +212,40 @@ class SQLiteIndex(Index):
     # -- entries ----------------------------------------------------------------------------
 
     def register(self, ns: str, fp: str, entry: IndexEntry) -> bool:
+        return self.register_many(ns, [(fp, entry)])[0]
+
+    def register_many(self, ns: str, entries: Sequence[tuple[str, IndexEntry]]) -> list[bool]:
+        entries = list(entries)
+        if not entries:
+            return []
         now = time.time()
+        created: list[bool] = []
+        # One IMMEDIATE transaction for the whole batch: SQLite's one round trip (a single
+        # lock acquisition and a single commit, i.e. one fsync of the WAL, not one per entry).
         with self._write() as conn:
-            # An expired row counts as absent, so clear it first and let INSERT OR IGNORE
-            # provide the SET NX semantics.
-            conn.execute(
-                "DELETE FROM entries WHERE ns = ? AND fp = ? AND expires_at <= ?", (ns, fp, now)
-            )
-            cur = conn.execute(
-                f"INSERT OR IGNORE INTO entries ({_ENTRY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (
-                    ns,
-                    fp,
-                    entry.object_key,
-                    int(entry.n_tokens),
-                    int(entry.size),
-                    float(entry.created),
-                    now + self.ttl_seconds,
-                ),
-            )
-            return cur.rowcount == 1
+            for fp, entry in entries:
+                # An expired row counts as absent, so clear it first and let INSERT OR IGNORE
+                # provide the SET NX semantics (entry by entry: a repeated fp in the batch
+                # is created once, like consecutive SET NX).
+                conn.execute(
+                    "DELETE FROM entries WHERE ns = ? AND fp = ? AND expires_at <= ?",
+                    (ns, fp, now),
+                )
+                cur = conn.execute(
+                    f"INSERT OR IGNORE INTO entries ({_ENTRY_COLUMNS}) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        ns,
+                        fp,
+                        entry.object_key,
+                        int(entry.n_tokens),
+                        int(entry.size),
+                        float(entry.created),
+                        now + self.ttl_seconds,
+                    ),
+                )
+                created.append(cur.rowcount == 1)
+        return created
 
     def lookup(
         self, ns: str, fps: Sequence[str], counters: Mapping[str, int] | None = None

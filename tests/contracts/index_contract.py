@@ -35,6 +35,25 @@ def entry(i: int, *, key: str | None = None) -> IndexEntry:
     )
 
 
+def expires_at(index: Index, ns: str, fp_hex: str) -> float | None:
+    """When the entry expires, as iter_entries reports it (None if absent)."""
+    return next((r.expires_at for r in index.iter_entries(ns) if r.fp == fp_hex), None)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 0.01) -> bool:
+    """Poll ``condition`` until it holds or ``timeout`` seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            return condition()
+        time.sleep(interval)
+    return True
+
+
+def sleep_until(t: float) -> None:
+    time.sleep(max(0.0, t - time.time()))
+
+
 class IndexContract:
     @pytest.fixture
     def make_index(self) -> IndexFactory:
@@ -56,6 +75,42 @@ class IndexContract:
         assert index.register(NS, fp(1), entry(1)) is True
         assert index.register(NS, fp(1), entry(2, key="segments/other")) is False
         assert index.lookup(NS, [fp(1)]) == [entry(1)]
+
+    def test_register_many_is_set_nx_per_entry(self, index: Index) -> None:
+        assert index.register(NS, fp(1), entry(1)) is True
+        got = index.register_many(
+            NS,
+            [
+                (fp(0), entry(0)),  # new
+                (fp(1), entry(91, key="segments/other")),  # exists: kept as it is
+                (fp(2), entry(2)),  # new
+                (fp(0), entry(90, key="segments/later")),  # repeated in the batch: first wins
+            ],
+        )
+        assert got == [True, False, True, False]
+        assert index.lookup(NS, [fp(0), fp(1), fp(2)]) == [entry(0), entry(1), entry(2)]
+        assert index.register(NS, fp(2), entry(92)) is False
+        assert index.register_many(NS, []) == []
+
+    def test_register_many_returns_in_order(self, index: Index) -> None:
+        existing = {i for i in range(128) if i % 5 == 0}
+        for i in existing:
+            assert index.register(NS, fp(i), entry(i))
+        got = index.register_many(NS, [(fp(i), entry(i)) for i in range(128)])
+        assert got == [i not in existing for i in range(128)]
+        assert index.lookup(NS, [fp(i) for i in range(128)]) == [entry(i) for i in range(128)]
+        # namespaces isolate here too
+        assert index.register_many(OTHER_NS, [(fp(0), entry(7))]) == [True]
+        assert index.lookup(NS, [fp(0)]) == [entry(0)]
+
+    def test_register_many_entries_expire(self, make_index: IndexFactory) -> None:
+        idx = make_index(ttl_seconds=1)
+        assert idx.register_many(NS, [(fp(1), entry(1)), (fp(2), entry(2))]) == [True, True]
+        time.sleep(1.2)
+        assert idx.lookup(NS, [fp(1), fp(2)]) == [None, None]
+        # an expired entry counts as absent
+        assert idx.register_many(NS, [(fp(1), entry(3))]) == [True]
+        assert idx.lookup(NS, [fp(1)]) == [entry(3)]
 
     @pytest.mark.parametrize("n", [0, 1, 3, 128])
     def test_lookup_order_and_misses(self, index: Index, n: int) -> None:
@@ -115,14 +170,23 @@ class IndexContract:
 
     def test_sliding_ttl(self, make_index: IndexFactory) -> None:
         idx = make_index(ttl_seconds=1)
+        start = time.time()
         assert idx.register(NS, fp(1), entry(1))
         assert idx.register(NS, fp(2), entry(2))
-        time.sleep(0.6)
-        # A hit renews the TTL: fp(1) is looked up, fp(2) is not.
+        sleep_until(start + 0.6)
+        # A hit renews the TTL: fp(1) is looked up, fp(2) is not. A backend may renew in the
+        # background, but well within the TTL: wait for it, briefly.
+        looked_up = time.time()
         assert idx.lookup(NS, [fp(1)]) == [entry(1)]
-        time.sleep(0.6)  # 1.2 s since registration: only a renewed entry is still there
+        assert wait_until(
+            lambda: (expires_at(idx, NS, fp(1)) or 0.0) >= looked_up + 1.0 - 0.05, timeout=0.3
+        ), "the hit's TTL was not renewed within 0.3 s"
+        sleep_until(start + 1.2)  # only a renewed entry is still there
         assert idx.lookup(NS, [fp(1), fp(2)]) == [entry(1), None]
-        time.sleep(1.2)  # longer than the TTL with no lookup in between
+        last_lookup = time.time()
+        # longer than the TTL (and any background renewal of that last lookup) with no
+        # lookup in between
+        sleep_until(last_lookup + 1.5)
         assert idx.lookup(NS, [fp(1)]) == [None]
         assert idx.count_entries() == 0
         assert list(idx.iter_entries()) == []

@@ -70,6 +70,32 @@ class TestRedisIndexWithPrefix(TestRedisIndex):
             idx.close()
 
 
+class PipelinedRedisIndex(RedisIndex):
+    """RedisIndex with single-key commands only, as a Redis Cluster variant must run (MGET and
+    the multi-key renewal script need every key in one slot; entry keys spread over slots)."""
+
+    _read_entries = RedisIndex._read_entries_pipelined
+    _write_side_effects = RedisIndex._write_side_effects_pipelined
+
+
+@pytest.mark.integration
+class TestPipelinedRedisIndex(IndexContract):
+    """The cluster fallback keeps the contract (run on a plain server: same commands)."""
+
+    @pytest.fixture
+    def make_index(self, redis_url: str) -> Iterator[IndexFactory]:
+        opened: list[Index] = []
+
+        def factory(ttl_seconds: int = DEFAULT_TTL_SECONDS) -> Index:
+            idx = PipelinedRedisIndex(redis_url, ttl_seconds)
+            opened.append(idx)
+            return idx
+
+        yield factory
+        for idx in opened:
+            idx.close()
+
+
 # -- open_index ------------------------------------------------------------------------------
 
 

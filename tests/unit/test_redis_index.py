@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,7 @@ import redis.connection
 
 from kvcloud.errors import ConfigError, IndexUnavailableError
 from kvcloud.indexes import IndexEntry, RedisIndex, open_index
+from kvcloud.indexes.redis import _Deferred
 from tests.servers import RedisServer, free_port, start_redis
 
 pytestmark = pytest.mark.integration
@@ -49,72 +53,249 @@ def _commandstats(url: str) -> dict[str, int]:
 # -- one round trip ---------------------------------------------------------------------------
 
 
-def test_lookup_of_128_fps_is_one_round_trip(
-    redis_url: str, monkeypatch: pytest.MonkeyPatch
+class RoundTrips:
+    """Records, for the calling thread only, every socket write and read of redis-py, every
+    single command and every pipeline. A round trip is one write followed by reads; a second
+    write after a read would be a second round trip."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.thread = threading.get_ident()
+        self.events: list[str] = []
+        self.commands: list[Any] = []
+        self.pipelines: list[int] = []
+        self.other_threads = 0
+        conn_cls = redis.connection.Connection
+        send, read = conn_cls.send_packed_command, conn_cls.read_response
+        real_execute = redis.client.Pipeline.execute
+        real_execute_command = redis.Redis.execute_command
+
+        def record(what: list[Any], item: Any) -> None:
+            if threading.get_ident() == self.thread:
+                what.append(item)
+            else:
+                self.other_threads += 1
+
+        def counting_send(conn: Any, command: Any, check_health: bool = True) -> None:
+            record(self.events, "send")
+            send(conn, command, check_health)
+
+        def counting_read(conn: Any, *args: Any, **kwargs: Any) -> Any:
+            record(self.events, "read")
+            return read(conn, *args, **kwargs)
+
+        def counting_execute(pipe: Any, *args: Any, **kwargs: Any) -> Any:
+            record(self.pipelines, len(pipe.command_stack))
+            return real_execute(pipe, *args, **kwargs)
+
+        def counting_execute_command(client: Any, *args: Any, **kwargs: Any) -> Any:
+            record(self.commands, args[0])
+            return real_execute_command(client, *args, **kwargs)
+
+        monkeypatch.setattr(conn_cls, "send_packed_command", counting_send)
+        monkeypatch.setattr(conn_cls, "read_response", counting_read)
+        monkeypatch.setattr(redis.client.Pipeline, "execute", counting_execute)
+        monkeypatch.setattr(redis.Redis, "execute_command", counting_execute_command)
+
+
+def _delta(before: dict[str, int], after: dict[str, int], command: str) -> int:
+    return after.get(f"cmdstat_{command}", 0) - before.get(f"cmdstat_{command}", 0)
+
+
+@pytest.mark.parametrize("n", [1, 128, 1000])
+def test_lookup_request_path_is_one_round_trip(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, n: int
 ) -> None:
-    idx = RedisIndex(redis_url)
-    for i in range(0, 128, 2):
-        assert idx.register(NS, fp(i), entry(i))
+    # A long renew_delay: the background batch cannot go out while we count.
+    idx = RedisIndex(redis_url, ttl_seconds=100, renew_delay=30)
+    present = list(range(0, n, 2))
+    assert idx.register_many(NS, [(fp(i), entry(i)) for i in present]) == [True] * len(present)
+    client = redis.Redis.from_url(redis_url)
+    for i in present:
+        client.pexpire(f"kvc:e:{NS}:{fp(i)}", 5000)
     idx.ping()  # the connection exists (and its handshake is done) before we count
     before = _commandstats(redis_url)
 
-    # Record every write to and read from the socket, in order. A round trip is one write
-    # followed by reads; a second write after a read would be a second round trip.
-    events: list[str] = []
-    conn_cls = redis.connection.Connection
-    send, read = conn_cls.send_packed_command, conn_cls.read_response
-    pipeline_executes: list[int] = []
-    single_commands: list[Any] = []
-    real_execute = redis.client.Pipeline.execute
-    real_execute_command = redis.Redis.execute_command
-
-    def counting_send(self: Any, command: Any, check_health: bool = True) -> None:
-        events.append("send")
-        send(self, command, check_health)
-
-    def counting_read(self: Any, *args: Any, **kwargs: Any) -> Any:
-        events.append("read")
-        return read(self, *args, **kwargs)
-
-    def counting_execute(self: Any, *args: Any, **kwargs: Any) -> Any:
-        pipeline_executes.append(len(self.command_stack))
-        return real_execute(self, *args, **kwargs)
-
-    def counting_execute_command(self: Any, *args: Any, **kwargs: Any) -> Any:
-        single_commands.append(args[0])
-        return real_execute_command(self, *args, **kwargs)
-
-    monkeypatch.setattr(conn_cls, "send_packed_command", counting_send)
-    monkeypatch.setattr(conn_cls, "read_response", counting_read)
-    monkeypatch.setattr(redis.client.Pipeline, "execute", counting_execute)
-    monkeypatch.setattr(redis.Redis, "execute_command", counting_execute_command)
-
-    got = idx.lookup(NS, [fp(i) for i in range(128)], counters={"hits": 64, "misses": 64})
-
+    trips = RoundTrips(monkeypatch)
+    got = idx.lookup(NS, [fp(i) for i in range(n)], counters={"hits": 64, "misses": 64})
     monkeypatch.undo()
+
+    assert got == [entry(i) if i % 2 == 0 else None for i in range(n)]
+    # the calling thread: one command (MGET), written once, one reply read, no pipeline
+    assert trips.commands == ["MGET"]
+    assert trips.pipelines == []
+    assert trips.events == ["send", "read"]
+    assert trips.other_threads == 0  # nothing in the background yet either
+    middle = _commandstats(redis_url)
+    assert _delta(before, middle, "mget") == 1
+    assert _delta(before, middle, "getex") == _delta(before, middle, "pexpire") == 0
+    assert _delta(before, middle, "hincrby") == 0
+
+    # the side effects follow in the background: renewal of every hit (only), the counters
+    assert idx.flush(5.0)
     after = _commandstats(redis_url)
-    assert got == [entry(i) if i % 2 == 0 else None for i in range(128)]
-    # client side: one pipeline of 130 commands, written once, then 130 replies read
-    assert pipeline_executes == [130]
-    assert single_commands == []
-    assert events == ["send"] + ["read"] * 130
-    # server side: every command arrived (and nothing else from the index did)
-    assert after.get("cmdstat_getex", 0) - before.get("cmdstat_getex", 0) == 128
-    assert after.get("cmdstat_hincrby", 0) - before.get("cmdstat_hincrby", 0) == 2
+    assert _delta(middle, after, "pexpire") == len(present)
+    assert _delta(middle, after, "hincrby") == 2
+    assert _delta(middle, after, "mget") == 0
+    assert all(client.pttl(f"kvc:e:{NS}:{fp(i)}") > 99_000 for i in present)
+    assert client.exists(*[f"kvc:e:{NS}:{fp(i)}" for i in range(1, n, 2)] or ["none"]) == 0
     assert idx.counters() == {"hits": 64, "misses": 64}
+    client.close()
     idx.close()
 
 
-def test_lookup_renews_ttl_of_hits_only(redis_url: str) -> None:
-    idx = RedisIndex(redis_url, ttl_seconds=100)
+def test_register_many_is_one_round_trip(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    idx = RedisIndex(redis_url)
+    assert idx.register(NS, fp(0), entry(0))
+    idx.ping()
+    before = _commandstats(redis_url)
+    trips = RoundTrips(monkeypatch)
+    got = idx.register_many(NS, [(fp(i), entry(i)) for i in range(128)])
+    monkeypatch.undo()
+    assert got == [False] + [True] * 127
+    # one pipeline of 128 SET NX, written once, then 128 replies read
+    assert trips.pipelines == [128]
+    assert trips.commands == []
+    assert trips.events == ["send"] + ["read"] * 128
+    after = _commandstats(redis_url)
+    assert _delta(before, after, "set") == 128
+    assert _delta(before, after, "multi") == 0  # not a transaction: cluster-friendly
+    idx.close()
+
+
+def test_background_renewal_slides_the_ttl_of_hits_only(redis_url: str) -> None:
+    idx = RedisIndex(redis_url, ttl_seconds=100)  # the default renew_delay
     client = redis.Redis.from_url(redis_url)
     idx.register(NS, fp(1), entry(1))
     key = f"kvc:e:{NS}:{fp(1)}"
     client.pexpire(key, 5000)
-    idx.lookup(NS, [fp(1), fp(2)])
+    start = time.monotonic()
+    assert idx.lookup(NS, [fp(1), fp(2)]) == [entry(1), None]
+    # No flush: the thread sends on its own, well under a second later.
+    deadline = start + 2.0
+    while client.pttl(key) <= 5000 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    renewed_after = time.monotonic() - start
     assert 99_000 < client.pttl(key) <= 100_000
+    assert renewed_after < 0.5
     assert client.exists(f"kvc:e:{NS}:{fp(2)}") == 0  # a miss creates nothing
     client.close()
+    idx.close()
+
+
+def test_late_renewal_does_not_resurrect_a_deleted_entry(redis_url: str) -> None:
+    idx = RedisIndex(redis_url, ttl_seconds=100, renew_delay=30)
+    idx.register(NS, fp(1), entry(1))
+    idx.register(NS, fp(2), entry(2))
+    assert idx.lookup(NS, [fp(1), fp(2)]) == [entry(1), entry(2)]
+    # Deleted while the renewals are still queued: by drop (gc's path) and behind our back.
+    assert idx.drop(NS, fp(1), object_key=entry(1).object_key)
+    client = redis.Redis.from_url(redis_url)
+    assert client.delete(f"kvc:e:{NS}:{fp(2)}") == 1
+    assert idx.flush(5.0)
+    assert client.exists(f"kvc:e:{NS}:{fp(1)}", f"kvc:e:{NS}:{fp(2)}") == 0
+    assert idx.lookup(NS, [fp(1), fp(2)]) == [None, None]
+    client.close()
+    idx.close()
+
+
+def test_close_sends_pending_counters(redis_url: str) -> None:
+    idx = RedisIndex(redis_url, renew_delay=60)
+    idx.register(NS, fp(1), entry(1))
+    idx.lookup(NS, [fp(1)], counters={"lookups": 1, "chunks_hit": 1})
+    idx.lookup(NS, [], counters={"lookups": 1})  # counters alone: no round trip at all
+    start = time.monotonic()
+    idx.close()
+    assert time.monotonic() - start < 5.0  # close cuts the delay short
+    with RedisIndex(redis_url) as other:
+        assert other.counters() == {"lookups": 2, "chunks_hit": 1}
+
+
+def test_counters_reads_its_own_pending_increments(redis_url: str) -> None:
+    with RedisIndex(redis_url, renew_delay=60) as idx:
+        idx.lookup(NS, [fp(1)], counters={"misses": 1})
+        assert idx.counters() == {"misses": 1}
+
+
+def test_side_effects_survive_an_outage_and_never_raise(own_redis: RedisServer) -> None:
+    idx = RedisIndex(own_redis.url, renew_delay=60)
+    idx.register(NS, fp(1), entry(1))
+    assert idx.lookup(NS, [fp(1)], counters={"lookups": 1}) == [entry(1)]
+    own_redis.kill()
+    # The background send fails: nothing reaches the caller, the counters are kept.
+    assert idx.flush(10.0)
+    own_redis.start()  # empty again (no persistence)
+    assert idx.counters() == {"lookups": 1}
+    idx.close()
+
+
+def test_side_effects_lost_to_a_dead_server_do_not_hang_close(own_redis: RedisServer) -> None:
+    idx = RedisIndex(own_redis.url, renew_delay=60)
+    idx.register(NS, fp(1), entry(1))
+    assert idx.lookup(NS, [fp(1)], counters={"lookups": 1}) == [entry(1)]
+    own_redis.kill()
+    start = time.monotonic()
+    idx.close()  # logs that the counters are lost; does not raise
+    assert time.monotonic() - start < 10.0
+
+
+def test_unclosed_index_is_collected_and_its_thread_exits(redis_url: str) -> None:
+    idx = RedisIndex(redis_url)
+    idx.lookup(NS, [fp(1)], counters={"lookups": 1})
+    thread = idx._deferred._thread
+    assert thread is not None and thread.is_alive()
+    ref = weakref.ref(idx)
+    del idx
+    gc.collect()
+    assert ref() is None  # the background thread does not keep the index alive
+    thread.join(5.0)
+    assert not thread.is_alive()
+
+
+def test_deferred_drops_when_full_and_never_raises(caplog: pytest.LogCaptureFixture) -> None:
+    sent: list[tuple[list[str], dict[str, int]]] = []
+
+    class Sink:
+        def send(self, keys: list[str], counters: dict[str, int]) -> None:
+            sent.append((keys, counters))
+
+    sink = Sink()
+    deferred = _Deferred(sink.send, "test-deferred", delay=60, max_keys=4)
+    deferred.submit(["a", "b", "a"], {"n": 1})
+    deferred.submit(["c", "d"], {"n": 2})  # would exceed max_keys: dropped, counters kept
+    deferred.submit([], None)  # nothing at all
+    assert any("dropped" in r.getMessage() for r in caplog.records)
+    assert deferred.flush(5.0)
+    assert sent == [(["a", "b"], {"n": 3})]  # one batch, keys once each
+    deferred.submit(["e"], None)  # room again after the batch went out
+    deferred.close(5.0)
+    assert sent[-1] == (["e"], {})
+
+    class Broken:
+        def send(self, keys: list[str], counters: dict[str, int]) -> None:
+            raise RuntimeError("boom")
+
+    broken = Broken()
+    deferred = _Deferred(broken.send, "test-broken", delay=0)
+    deferred.submit(["x"], {"n": 1})  # the failure is logged by the thread, never raised
+    assert deferred.flush(5.0)
+    deferred.close(5.0)
+
+
+def test_cluster_fallback_is_single_key_commands(redis_url: str) -> None:
+    class Pipelined(RedisIndex):
+        _read_entries = RedisIndex._read_entries_pipelined
+        _write_side_effects = RedisIndex._write_side_effects_pipelined
+
+    idx = Pipelined(redis_url, ttl_seconds=100)
+    idx.register(NS, fp(1), entry(1))
+    before = _commandstats(redis_url)
+    assert idx.lookup(NS, [fp(1), fp(2)], counters={"hits": 1}) == [entry(1), None]
+    assert idx.flush(5.0)
+    after = _commandstats(redis_url)
+    assert _delta(before, after, "get") == 2
+    assert _delta(before, after, "pexpire") == 1
+    assert _delta(before, after, "mget") == _delta(before, after, "evalsha") == 0
+    assert idx.counters() == {"hits": 1}
     idx.close()
 
 

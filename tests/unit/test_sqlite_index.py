@@ -167,3 +167,29 @@ def test_memory_index() -> None:
     with SQLiteIndex(":memory:") as idx:
         assert idx.register("ns", fp(1), entry(1, 0))
         assert idx.lookup("ns", [fp(1)]) == [entry(1, 0)]
+
+
+def test_register_many_is_one_transaction(tmp_path: Path) -> None:
+    with SQLiteIndex(tmp_path / "index.db", purge_interval=3600) as idx:
+        idx.register("ns", fp(0), entry(0, 0))
+        statements: list[str] = []
+        assert idx._conn is not None
+        idx._conn.set_trace_callback(statements.append)
+        got = idx.register_many("ns", [(fp(i), entry(i, 1)) for i in range(128)])
+        idx._conn.set_trace_callback(None)
+        assert got == [False] + [True] * 127
+        # one lock acquisition and one commit for the whole batch
+        assert [s for s in statements if s.split()[0] in ("BEGIN", "COMMIT")] == [
+            "BEGIN IMMEDIATE",
+            "COMMIT",
+        ]
+        assert idx.lookup("ns", [fp(0), fp(1)]) == [entry(0, 0), entry(1, 1)]
+
+
+def test_register_many_is_all_or_nothing(tmp_path: Path) -> None:
+    with SQLiteIndex(tmp_path / "index.db") as idx:
+        bad = IndexEntry("segments/bad", "many", 4096, 0.0)  # type: ignore[arg-type]
+        with pytest.raises(ValueError):
+            idx.register_many("ns", [(fp(1), entry(1, 0)), (fp(2), bad)])
+        assert idx.lookup("ns", [fp(1), fp(2)]) == [None, None]
+        assert idx.register_many("ns", [(fp(1), entry(1, 0))]) == [True]
