@@ -35,12 +35,16 @@ class CostModel:
         alpha: float = 0.3,
         probe_interval: float = 2.0,
         enabled: bool = True,
+        margin: float = 0.9,
     ) -> None:
         self.cfg = cfg
         self.c = chunk_tokens
         self.alpha = alpha
         self.probe_interval = probe_interval
         self.enabled = enabled
+        # restore only when estimated clearly cheaper: near a tie, estimation error decides,
+        # and erring towards recompute is what keeps TTFT at or below recompute
+        self.margin = margin
         n_params = cfg.n_layers * (
             cfg.d_model * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
             + 3 * cfg.d_model * cfg.ffn_dim
@@ -78,7 +82,7 @@ class CostModel:
         for k in range(1, m + 1):
             pulled += chunk_bytes[k - 1]
             rest = self.recompute_seconds((m - k) * self.c, start + k * self.c)
-            cost = self.restore_seconds(pulled) + rest
+            cost = self.restore_seconds(pulled) / self.margin + rest
             if cost < best_cost:
                 best_k, best_cost = k, cost
         restore = self.restore_seconds(sum(chunk_bytes[:best_k])) if best_k else 0.0

@@ -233,7 +233,9 @@ class Engine:
     def _calibrate(self) -> None:
         """Two scratch prefills: the first warms torch up, the second seeds the cost model's
         prefill rate, so the very first remote hit is judged on a measured speed."""
-        n = min(128, self.max_context // 2, self.c * self.pool.n_pages)
+        # a chunk-sized prefill: short ones are dominated by per-layer overhead and would
+        # overstate what recomputing a chunk costs
+        n = min(256, self.max_context // 2, self.c * self.pool.n_pages)
         pages = []
         try:
             for _ in range(-(-n // self.c)):
@@ -810,6 +812,17 @@ class Engine:
                 for cp in self.prefix.pages():
                     cp.stored = True
         return written
+
+    def clear_cache(self) -> int:
+        """Forget every idle cached page without uploading it (benchmarks, tests); returns
+        how many were dropped. Pages held by sessions or requests stay."""
+        dropped = 0
+        with self._lock:
+            while (cp := self.prefix.pop_lru()) is not None:
+                self.pool.release(cp.page)
+                dropped += 1
+            self._update_gauges()
+        return dropped
 
     def health(self) -> dict[str, Any]:
         return {
