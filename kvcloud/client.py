@@ -19,7 +19,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from ._closing import Closing
@@ -45,12 +44,12 @@ from .namespace import (
     tokens_array,
 )
 from .segment import decode_segment, digest_from_key, encode_segment, read_segment_into
+from .sessions import SessionRecord, pack_record, unpack_record
 from .stores import open_store
 from .stores.base import ObjectStore
 
 log = logging.getLogger("kvcloud.client")
 
-SESSION_RECORD_VERSION = 1
 _MAX_SESSION_ID = 256
 
 
@@ -104,24 +103,6 @@ class PullResult:
     chunks: int
     bytes: int
     failures: list[tuple[int, str]] = field(default_factory=list)  # (chunk position, reason)
-
-
-@dataclass(frozen=True)
-class SessionRecord:
-    """A session as stored: its token history and the objects holding its KV."""
-
-    session_id: str
-    ns: str
-    tokens: np.ndarray  # uint32 token history
-    kv_tokens: int  # how many leading tokens have stored KV (the last sampled one has none)
-    chunk_keys: tuple[str, ...]  # one per full chunk of the first kv_tokens tokens
-    tail_key: str | None  # the partial chunk after them, if kv_tokens is not chunk-aligned
-    updated: float
-    meta: dict[str, Any]
-
-    @property
-    def n_tokens(self) -> int:
-        return len(self.tokens)
 
 
 def _hex(fps: Sequence[bytes]) -> list[str]:
@@ -326,6 +307,10 @@ class KVCloud(Closing):
             seg = encode_segment(ns, fp, parent, kv, codec=codec)
             key = seg.key()
             created = self.store.put(key, seg.data)
+            if not created:
+                # an existing object may be an old orphan that gc is about to collect; a
+                # fresh mtime puts it back inside gc's grace period before an entry names it
+                self.store.touch(key)
             return i, key, created, IndexEntry(key, seg.header.n_tokens, len(seg.data), 0.0)
 
         errors: list[BaseException] = []
@@ -637,19 +622,7 @@ class KVCloud(Closing):
             updated=time.time(),
             meta=dict(meta or {}),
         )
-        payload = msgpack.packb(
-            {
-                "v": SESSION_RECORD_VERSION,
-                "ns": record.ns,
-                "tokens": record.tokens.tobytes(),
-                "kv_tokens": record.kv_tokens,
-                "chunks": list(record.chunk_keys),
-                "tail": record.tail_key,
-                "updated": record.updated,
-                "meta": record.meta,
-            },
-            use_bin_type=True,
-        )
+        payload = pack_record(record)
         self.index.put_session(self.session_scope(tenant), session_id, payload, ttl_seconds)
         return record
 
@@ -661,23 +634,8 @@ class KVCloud(Closing):
         raw = self.index.get_session(self.session_scope(tenant), session_id)
         if raw is None:
             raise SessionNotFoundError(f"no session {session_id!r} for this tenant")
-        try:
-            d = msgpack.unpackb(raw, raw=False)
-            if d.get("v") != SESSION_RECORD_VERSION:
-                raise ValueError(f"record version {d.get('v')}")
-            toks = np.frombuffer(d["tokens"], dtype="<u4").copy()
-            record = SessionRecord(
-                session_id=session_id,
-                ns=str(d["ns"]),
-                tokens=toks,
-                kv_tokens=int(d["kv_tokens"]),
-                chunk_keys=tuple(str(k) for k in d["chunks"]),
-                tail_key=None if d["tail"] is None else str(d["tail"]),
-                updated=float(d["updated"]),
-                meta=dict(d.get("meta") or {}),
-            )
-        except Exception as exc:
-            raise CorruptObjectError(f"session record {session_id!r} is malformed: {exc}") from None
+        record = unpack_record(session_id, raw)
+        toks = record.tokens
         if record.ns != ns.id:
             raise SessionNotFoundError(f"session {session_id!r} belongs to another namespace")
         c = ns.chunk_tokens

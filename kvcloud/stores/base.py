@@ -79,6 +79,14 @@ class ObjectStore(Closing, ABC):
         """Remove the object; absent keys are not an error."""
 
     @abstractmethod
+    def touch(self, key: str) -> bool:
+        """Set the object's modification time to now; False if it does not exist.
+
+        A push that finds its object already stored (written earlier, maybe orphaned) touches
+        it before registering an entry, so gc's grace period protects it from deletion.
+        """
+
+    @abstractmethod
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object whose key starts with ``prefix`` (any order)."""
 

@@ -137,6 +137,16 @@ class FileStore(ObjectStore):
         except OSError as exc:
             raise StoreError(f"get {key!r} from {self.url} failed: {exc}") from exc
 
+    def touch(self, key: str) -> bool:
+        path = self._path(key)
+        try:
+            os.utime(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError as exc:
+            raise StoreError(f"touch {key!r} in {self.url} failed: {exc}") from exc
+        return True
+
     def open_read(self, key: str) -> AbstractContextManager[Any]:
         path = self._path(key)
         try:

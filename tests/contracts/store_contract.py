@@ -143,6 +143,18 @@ class StoreContract:
         with pytest.raises(ObjectNotFoundError):
             store.open_read("no/such/key")
 
+    def test_touch_refreshes_mtime(self, store: ObjectStore) -> None:
+        data = payload(1000, seed=12)
+        store.put("t/obj", data)
+        first = store.head("t/obj")
+        assert first is not None
+        time.sleep(1.1)  # S3's Last-Modified has one-second resolution
+        assert store.touch("t/obj") is True
+        second = store.head("t/obj")
+        assert second is not None and second.last_modified > first.last_modified
+        assert store.get("t/obj") == data
+        assert store.touch("t/missing") is False
+
     def test_head(self, store: ObjectStore) -> None:
         before = time.time()
         store.put("h/obj", payload(1234, seed=6))
