@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo test bench lint format clean
+.PHONY: install demo test bench lint format clean reliability
 
 install: $(STAMP)
 
@@ -36,3 +36,6 @@ format: install
 
 clean:
 	rm -rf $(VENV) .kvcloud-demo .pytest_cache
+
+reliability: install
+	$(BIN)/python scripts/reliability_report.py --out docs/RELIABILITY.md
