@@ -88,6 +88,10 @@ class CostModel:
         restore = self.restore_seconds(sum(chunk_bytes[:best_k])) if best_k else 0.0
         return Decision(best_k, restore, self.recompute_seconds(best_k * self.c, start))
 
+    def decide_all(self, chunk_bytes: list[int]) -> Decision:
+        """Pull everything (a decision made for reasons other than speed)."""
+        return Decision(len(chunk_bytes), self.restore_seconds(sum(chunk_bytes)), 0.0)
+
     # -- learning ---------------------------------------------------------------------------
 
     def _ewma(self, old: float | None, new: float) -> float:

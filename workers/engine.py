@@ -341,7 +341,9 @@ class Engine:
 
     # -- prefix acquisition -----------------------------------------------------------------
 
-    def _extend_with_chunks(self, acq: _Acquired, fps: list[bytes], tenant: str) -> None:
+    def _extend_with_chunks(
+        self, acq: _Acquired, fps: list[bytes], tenant: str, *, costed: bool = True
+    ) -> None:
         """Append full chunks after acq.cached (chunk-aligned): local pages, then kvcloud."""
         i = acq.cached // self.c
         while i < len(fps):
@@ -358,7 +360,8 @@ class Engine:
         m = self.kv.lookup_fingerprints(self.ns, fps[i:], tenant, start=i, parent=parent)
         if not m.chunks:
             return
-        decision = self.cost.decide(i, [ref.entry.size or self.ns.chunk_bytes for ref in m.chunks])
+        sizes = [ref.entry.size or self.ns.chunk_bytes for ref in m.chunks]
+        decision = self.cost.decide(i, sizes) if costed else self.cost.decide_all(sizes)
         if decision.chunks < len(m.chunks):
             self.metrics.decisions.labels("recompute" if decision.chunks == 0 else "partial").inc()
             if self.cost.should_probe():
@@ -420,16 +423,21 @@ class Engine:
         except SessionNotFoundError:
             raise SessionUnknownError(f"unknown session {session_id!r}") from None
         except KVCloudError as exc:
-            # the index is down or the record is bad: we cannot know the history
+            # the index is down or the record is unreadable: the history is unknown, so the
+            # only correct answer is "try again" (503), not a guess and not "no such session"
             log.warning("could not load session %s: %s", session_id[:12], exc)
-            raise SessionUnknownError(
-                f"session {session_id!r} could not be loaded from the index"
+            raise StoreUnavailableError(
+                f"session {session_id!r} could not be loaded from the index; retry"
             ) from None
         sess = LocalSession(session_id, tenant, tokens=[int(t) for t in rec.tokens], stored=True)
         acq = _Acquired(slots=[], cached=0)
         n_full = rec.kv_tokens // self.c
         fps = self._fps(sess.tokens[: n_full * self.c], tenant)
-        self._extend_with_chunks(acq, fps, tenant)  # local pages first, then the index
+        # local pages first, then the index. A session's own history is always pulled, even
+        # when the cost model would recompute: recomputed KV differs in the last bits from
+        # what the conversation was computed with, and a moved session must continue
+        # bit-identically.
+        self._extend_with_chunks(acq, fps, tenant, costed=False)
         if acq.cached < n_full * self.c:
             # entries may have expired while the record still names the objects
             m = self.kv.session_match(self.ns, rec, tenant)
