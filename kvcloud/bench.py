@@ -10,7 +10,9 @@ times alone):
   preallocated pages, the worker's restore path, and ``lookup`` + ``pull(out=…)`` into one
   preallocated ``[layers, 2, tokens, …]`` array (each chunk lands strided), vs plain parallel
   ``get_object()['Body'].read()`` (or ``open().read``) of the same objects;
-- lookup: latency of a ``lookup_chunks``-chunk prompt (all hits) vs one ``index.ping()``.
+- lookup: latency of a ``lookup_chunks``-chunk prompt (all hits) vs one ``index.ping()``;
+- with ``encrypt``: the same push and pulls for a tenant that encrypts at rest (AES-256-GCM),
+  in the same rounds, next to the unencrypted kvcloud figures — the overhead ratio.
 
 The bench writes only under a namespace of its own (``model="kvcloud-bench"``, a random
 revision per run), so it can run against a production deployment and clean up exactly what it
@@ -44,6 +46,7 @@ import numpy as np
 from . import __version__
 from .client import KVCloud
 from .config import KVCloudConfig, redact_url
+from .crypto import ALG
 from .errors import KVCloudError
 from .indexes.base import Index, IndexEntry
 from .models import KV_SHAPES
@@ -54,6 +57,7 @@ from .stores.file import FileStore
 from .stores.s3 import S3Store
 
 BENCH_MODEL = "kvcloud-bench"  # namespace model of everything the bench writes
+BENCH_ENC_TENANT = "kvcloud-bench-encrypted"  # the bench's encrypting tenant (--encrypt)
 JSON_VERSION = 1
 
 Progress = Callable[[str], None]
@@ -374,6 +378,11 @@ class _Round:
     nbytes: int
     objects_deleted: int = 0
     entries_dropped: int = 0
+    # --encrypt: the same chunks for a tenant that encrypts (0.0 when not measured)
+    push_encrypted: float = 0.0
+    pull_encrypted: float = 0.0
+    pull_array_encrypted: float = 0.0
+    nbytes_encrypted: int = 0
 
 
 # --- the bench ----------------------------------------------------------------------------------
@@ -394,8 +403,10 @@ def run_store_bench(
     keep: bool = False,
     seed: int | None = None,
     progress: Progress | None = None,
+    encrypt: bool = False,
 ) -> dict[str, Any]:
     """Measure push, pull and lookup of kvcloud next to a plain client; return the figures.
+    ``encrypt`` adds the same push and pulls for an encrypting tenant, in the same rounds.
 
     ``store``/``index`` default to KVCLOUD_STORE/KVCLOUD_INDEX; ``servers=True`` starts a
     local moto_server and redis-server for the run instead. ``concurrency`` defaults to
@@ -426,6 +437,7 @@ def run_store_bench(
             keep=keep,
             seed=seed,
             say=say,
+            encrypt=encrypt,
         )
     return result
 
@@ -445,6 +457,7 @@ def _run(
     keep: bool,
     seed: int | None,
     say: Progress,
+    encrypt: bool = False,
 ) -> dict[str, Any]:
     started = time.time()
     run_id = secrets.token_hex(8)
@@ -459,6 +472,9 @@ def _run(
         secret=secrets.token_bytes(32),
         codec=env_cfg.codec,
         max_connections=requested,
+        # only the bench's own tenant: whatever KVCLOUD_ENCRYPT_TENANTS says must not turn
+        # the unencrypted figures into encrypted ones
+        encrypt_tenants=BENCH_ENC_TENANT if encrypt else "",
     )
     plain: _Plain | None = None
     pool: ThreadPoolExecutor | None = None
@@ -494,6 +510,7 @@ def _run(
                 "warmup",
                 kvcloud_first=True,
                 keep=keep,
+                encrypt=encrypt,
             )
         )
         rounds: list[_Round] = []
@@ -512,6 +529,7 @@ def _run(
                     f"r{r}",
                     kvcloud_first=r % 2 == 0,
                     keep=keep,
+                    encrypt=encrypt,
                 )
             )
             done.append(rounds[-1])
@@ -533,6 +551,27 @@ def _run(
         pull["kvcloud"]["method"] = "KVCloud.lookup_fingerprints + pull_into pages (verified)"
         pull["baseline"]["method"] = plain.method_get
         pull_array["kvcloud"]["method"] = "KVCloud.lookup_fingerprints + pull(out=array)"
+
+        encryption: dict[str, Any] | None = None
+        if encrypt:
+            # Throughput over the same bytes as the unencrypted figures (the plain objects),
+            # so each ratio is exactly unencrypted time / encrypted time for the same KV.
+            encryption = {
+                "alg": ALG,
+                "tenant": BENCH_ENC_TENANT,
+                "object_bytes": rounds[0].nbytes_encrypted // chunks,
+            }
+            for op, attr, plain_pair in (
+                ("push", "push_encrypted", push),
+                ("pull", "pull_encrypted", pull),
+                ("pull_array", "pull_array_encrypted", pull_array),
+            ):
+                figures = _throughput(nbytes, [getattr(x, attr) for x in rounds])
+                figures["method"] = f"{plain_pair['kvcloud']['method']}, encrypted"
+                # the overhead: encrypted vs unencrypted kvcloud, same run, same rounds
+                encryption[op] = _pair(figures, plain_pair["kvcloud"])
+                encryption[f"{op}_vs_baseline"] = _pair(figures, plain_pair["baseline"])
+                encryption[f"{op}_overhead_pct"] = (1 / encryption[op]["ratio_median"] - 1) * 100
 
         say(f"index lookup: {lookup_chunks}-chunk prompt × {lookup_iters} vs ping")
         lookup = _lookup_bench(kv, ns, lookup_chunks, lookup_iters)
@@ -569,6 +608,8 @@ def _run(
             "pull_array": pull_array,
             "lookup": lookup,
         }
+        if encryption is not None:
+            result["encryption"] = encryption
     finally:
         try:
             if pool is not None:
@@ -611,8 +652,10 @@ def _round(
     *,
     kvcloud_first: bool,
     keep: bool,
+    encrypt: bool = False,
 ) -> _Round:
-    """One push + pull of ``data`` by kvcloud and by the plain client, same bytes."""
+    """One push + pull of ``data`` by kvcloud and by the plain client, same bytes (and, with
+    ``encrypt``, by kvcloud for an encrypting tenant, under fresh fingerprints)."""
     n = len(data)
     chain = _fresh_chain(ns, n)
     items = [(fp, parent, kv_) for (fp, parent), kv_ in zip(chain, data, strict=True)]
@@ -643,10 +686,31 @@ def _round(
         list(pool.map(plain.put, plain_keys, encoded))
         return time.perf_counter() - t0
 
-    if kvcloud_first:
-        t_push_kv, t_push_plain = push_kvcloud(), push_plain()
-    else:
-        t_push_plain, t_push_kv = push_plain(), push_kvcloud()
+    # encrypted: the same arrays under a chain of their own (so every object is fresh)
+    enc_chain = _fresh_chain(ns, n) if encrypt else []
+    enc_items = [(fp, parent, kv_) for (fp, parent), kv_ in zip(enc_chain, data, strict=False)]
+    enc_fps = [fp for fp, _ in enc_chain]
+    enc_keys: list[str] = []
+    nbytes_enc = 0
+    if encrypt:
+        dkey = kv.data_key(BENCH_ENC_TENANT)
+        for fp, p, a in enc_items:  # off the clock, like the plain client's bytes
+            seg = encode_segment(ns, fp, p, a, codec=kv.config.codec, key=dkey)
+            enc_keys.append(seg.key())
+            nbytes_enc += len(seg.data)
+            del seg
+
+    def push_encrypted() -> float:
+        t0 = time.perf_counter()
+        res = kv.push_chunks(ns, enc_items, tenant=BENCH_ENC_TENANT)
+        dt = time.perf_counter() - t0
+        if res.objects_written != n or res.keys != enc_keys:
+            raise BenchError("kvcloud did not store the encrypted chunks as expected")
+        return dt
+
+    push_order = [push_kvcloud, *([push_encrypted] if encrypt else []), push_plain]
+    pushed = {f.__name__: f() for f in (push_order if kvcloud_first else push_order[::-1])}
+    t_push_kv, t_push_plain = pushed["push_kvcloud"], pushed["push_plain"]
 
     fps = [fp for fp, _ in chain]
     c = ns.chunk_tokens
@@ -684,15 +748,47 @@ def _round(
             raise BenchError("the plain client read back a different number of bytes")
         return dt
 
+    def pull_encrypted() -> float:
+        t0 = time.perf_counter()
+        m = kv.lookup_fingerprints(ns, enc_fps, tenant=BENCH_ENC_TENANT)
+        res = kv.pull_into(m, pages[:n])
+        dt = time.perf_counter() - t0
+        if res.chunks != n or [c.entry.object_key for c in m.chunks] != enc_keys:
+            raise BenchError(f"kvcloud pulled {res.chunks} of {n} encrypted chunks")
+        return dt
+
+    def pull_array_encrypted() -> float:
+        t0 = time.perf_counter()
+        m = kv.lookup_fingerprints(ns, enc_fps, tenant=BENCH_ENC_TENANT)
+        res = kv.pull_detailed(m, out=out)
+        dt = time.perf_counter() - t0
+        if res.chunks != n:
+            raise BenchError(f"kvcloud pulled {res.chunks} of {n} encrypted chunks")
+        return dt
+
+    def check(dest: str) -> None:
+        for i, a in enumerate(data):  # bit-exact round trips, checked off the clock
+            got = pages[i] if dest == "pages" else out[:, :, i * c : (i + 1) * c]
+            if not np.array_equal(got.view(np.uint8), a.view(np.uint8)):
+                raise BenchError(f"chunk {i} came back different from what was pushed")
+
     order = [pull_kvcloud, pull_array, pull_plain]
-    timed = {f.__name__: f() for f in (order if kvcloud_first else order[::-1])}
-    for i, a in enumerate(data):  # bit-exact round trips, checked off the clock
-        want = a.view(np.uint8)
-        if not (
-            np.array_equal(pages[i].view(np.uint8), want)
-            and np.array_equal(out[:, :, i * c : (i + 1) * c].view(np.uint8), want)
-        ):
-            raise BenchError(f"chunk {i} came back different from what was pushed")
+    if encrypt:
+        order[2:2] = [pull_encrypted, pull_array_encrypted]
+    dest_of = {
+        "pull_kvcloud": "pages",
+        "pull_encrypted": "pages",
+        "pull_array": "out",
+        "pull_array_encrypted": "out",
+    }
+    timed: dict[str, float] = {}
+    for f in order if kvcloud_first else order[::-1]:
+        timed[f.__name__] = f()
+        if encrypt and f.__name__ in dest_of:
+            # two pulls share each destination: check each one before the next overwrites it
+            check(dest_of[f.__name__])
+    check("pages")
+    check("out")
     result = _Round(
         t_push_kv,
         t_push_plain,
@@ -700,11 +796,17 @@ def _round(
         timed["pull_array"],
         timed["pull_plain"],
         nbytes,
+        push_encrypted=pushed.get("push_encrypted", 0.0),
+        pull_encrypted=timed.get("pull_encrypted", 0.0),
+        pull_array_encrypted=timed.get("pull_array_encrypted", 0.0),
+        nbytes_encrypted=nbytes_enc,
     )
     if not keep:
         # Keep the server's state (and memory, for moto) the same size round after round.
-        result.objects_deleted = _delete_objects(kv.store, pool, [*kv_keys, *plain_keys])
-        result.entries_dropped = sum(bool(kv.index.drop(ns.id, fp.hex())) for fp in fps)
+        result.objects_deleted = _delete_objects(kv.store, pool, [*kv_keys, *plain_keys, *enc_keys])
+        result.entries_dropped = sum(
+            bool(kv.index.drop(ns.id, fp.hex())) for fp in [*fps, *enc_fps]
+        )
     return result
 
 

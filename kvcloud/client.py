@@ -6,6 +6,10 @@ Reliability rules from DESIGN §4 live here:
   corrupt one into a shorter match, dropping the bad entry, instead of raising;
 - lookup and pull treat an unreachable index or store as a miss (logged and counted): the
   caller recomputes, nobody gets an error on the inference path.
+
+Encryption at rest is per tenant (``KVCloudConfig.encrypt_tenants``): every push, tail and
+pull names its tenant, and the tenant's data key is derived here from the master secret
+(crypto.py). An object that fails to decrypt is a corrupt object like any other: a miss.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import numpy as np
 
 from ._closing import Closing
 from .config import KVCloudConfig
+from .crypto import TenantKey, derive_data_key
 from .errors import (
     ConfigError,
     CorruptObjectError,
@@ -117,6 +122,7 @@ class KVCloud(Closing):
         self.index = index
         self.config = config or KVCloudConfig()
         self._keys: dict[str, bytes] = {}
+        self._data_keys: dict[str, TenantKey] = {}
         self._lock = threading.Lock()
         self._stats: Counter[str] = Counter()
         self._pending: Counter[str] = Counter()  # not yet added to the index's counters
@@ -203,6 +209,23 @@ class KVCloud(Closing):
                 key = self._keys[t] = derive_tenant_key(self.config.secret, t)
             return key
 
+    def data_key(self, tenant: str | None = None) -> TenantKey:
+        """The tenant's encryption key (derived from the master secret, cached). Used to
+        decrypt whatever the tenant finds encrypted, whether or not it encrypts new pushes."""
+        t = self._tenant(tenant)
+        with self._lock:
+            key = self._data_keys.get(t)
+            if key is None:
+                key = self._data_keys[t] = derive_data_key(self.config.secret, t)
+            return key
+
+    def encrypts(self, tenant: str | None = None) -> bool:
+        """Whether this tenant's segments are encrypted at rest (KVCLOUD_ENCRYPT_TENANTS)."""
+        return self.config.encrypts(self._tenant(tenant))
+
+    def _write_key(self, tenant: str | None) -> TenantKey | None:
+        return self.data_key(tenant) if self.encrypts(tenant) else None
+
     def session_scope(self, tenant: str | None = None) -> str:
         """Index scope of a tenant's sessions: derived from its key, so it is unguessable."""
         key = self.tenant_key(tenant)
@@ -276,7 +299,7 @@ class KVCloud(Closing):
         fps = self.fingerprints(ns, toks[: n_full * c], tenant)
         parents = [ns.digest, *fps[:-1]]
         chunks = [(fps[i], parents[i], arr[:, :, i * c : (i + 1) * c]) for i in range(n_full)]
-        return self.push_chunks(ns, chunks, codec=codec)
+        return self.push_chunks(ns, chunks, codec=codec, tenant=tenant)
 
     def push_chunks(
         self,
@@ -284,15 +307,19 @@ class KVCloud(Closing):
         chunks: Sequence[tuple[bytes, bytes, np.ndarray]],
         *,
         codec: str | None = None,
+        tenant: str | None = None,
     ) -> PushResult:
         """Store chunks given as (fp, parent fp, kv) — the worker's eviction path.
 
         Chunks that already have an index entry are skipped (one lookup round trip).
+        ``tenant`` is the one whose fingerprint key made the fps: it decides whether (and
+        under which key) the objects are encrypted.
         """
         result = PushResult(chunks=len(chunks), keys=[""] * len(chunks))
         if not chunks:
             return result
         codec = codec or self.config.codec
+        key = self._write_key(tenant)
         existing = self.index.lookup(ns.id, _hex([fp for fp, _, _ in chunks]))
         todo: list[int] = []
         for i, entry in enumerate(existing):
@@ -304,14 +331,10 @@ class KVCloud(Closing):
 
         def store_one(i: int) -> tuple[int, str, bool, IndexEntry]:
             fp, parent, kv = chunks[i]
-            seg = encode_segment(ns, fp, parent, kv, codec=codec)
-            key = seg.key()
-            created = self.store.put(key, seg.data)
-            if not created:
-                # an existing object may be an old orphan that gc is about to collect; a
-                # fresh mtime puts it back inside gc's grace period before an entry names it
-                self.store.touch(key)
-            return i, key, created, IndexEntry(key, seg.header.n_tokens, len(seg.data), 0.0)
+            seg = encode_segment(ns, fp, parent, kv, codec=codec, key=key)
+            okey = seg.key()
+            created = self._put_or_revive(okey, seg.data)
+            return i, okey, created, IndexEntry(okey, seg.header.n_tokens, len(seg.data), 0.0)
 
         errors: list[BaseException] = []
         if len(todo) == 1:
@@ -341,6 +364,12 @@ class KVCloud(Closing):
                 errors.append(exc)
                 result.failed += len(stored)
                 stored = []
+        for i, okey, created, _ in stored:
+            # a reused object could have been collected between its touch and its entry (gc
+            # deletes within one round trip of its last check): make sure it is still there
+            if not created and self.store.head(okey) is None:
+                fp, parent, kv = chunks[i]
+                self.store.put(okey, encode_segment(ns, fp, parent, kv, codec=codec, key=key).data)
         for i, key, created, entry in stored:
             result.keys[i] = key
             result.pushed += 1
@@ -455,6 +484,8 @@ class KVCloud(Closing):
         self, m: Match, dests: Sequence[np.ndarray]
     ) -> tuple[int, list[tuple[int, str]], int]:
         ns = m.ns
+        dkey = self.data_key(m.tenant)
+        must_encrypt = self.encrypts(m.tenant)
 
         def fetch(i: int) -> tuple[str, int]:
             ref = m.chunks[i]
@@ -473,6 +504,8 @@ class KVCloud(Closing):
                             fp=ref.fp,
                             parent=ref.parent,
                             n_tokens=ns.chunk_tokens,
+                            key=dkey,
+                            require_encryption=must_encrypt,
                         )
                     return "ok", size
                 data = self.store.get(key)
@@ -484,6 +517,8 @@ class KVCloud(Closing):
                     parent=ref.parent,
                     n_tokens=ns.chunk_tokens,
                     out=dest,
+                    key=dkey,
+                    require_encryption=must_encrypt,
                 )
                 return "ok", len(data)
             except ObjectNotFoundError:
@@ -585,11 +620,24 @@ class KVCloud(Closing):
     ) -> str:
         """Store a partial chunk (no index entry: only session records point at it)."""
         tfp = tail_fingerprint(ns, parent, tail_tokens, self.tenant_key(tenant))
-        seg = encode_segment(ns, tfp, parent, tail_kv, codec=self.config.codec)
+        seg = encode_segment(
+            ns, tfp, parent, tail_kv, codec=self.config.codec, key=self._write_key(tenant)
+        )
         key = seg.key()
-        if self.store.put(key, seg.data):
+        if self._put_or_revive(key, seg.data):
             self._count(objects_written=1, bytes_pushed=len(seg.data))
         return key
+
+    def _put_or_revive(self, key: str, data: Any) -> bool:
+        """Store an object; if it already exists, refresh its mtime so gc's grace period
+        protects it until an entry or record names it (it may be an old orphan gc is about
+        to collect). True if bytes were written."""
+        if self.store.put(key, data):
+            return True
+        if self.store.touch(key):
+            return False
+        # it vanished between the two calls (collected just now): write it again
+        return self.store.put(key, data)
 
     def write_session(
         self,
@@ -688,6 +736,8 @@ class KVCloud(Closing):
                 parent=parent,
                 n_tokens=n_tail,
                 out=ns.check_array(out)[:, :, :n_tail],
+                key=self.data_key(t),
+                require_encryption=self.encrypts(t),
             )
         except ObjectNotFoundError:
             self._count(missing_objects=1)

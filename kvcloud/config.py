@@ -102,6 +102,11 @@ class KVCloudConfig:
     fsync: bool = field(default=False, metadata={"env": "KVCLOUD_FSYNC"})
     """file:// store: fsync objects and their directory before an entry is written."""
 
+    encrypt_tenants: str = field(default="", metadata={"env": "KVCLOUD_ENCRYPT_TENANTS"})
+    """Tenants whose segments are encrypted at rest (AES-256-GCM, keys derived from the
+    secret): a comma list, ``*`` for every tenant, empty for none. Their pulls accept only
+    encrypted objects. A list or set of names is accepted too and normalised to the string."""
+
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> KVCloudConfig:
         env = dict(os.environ if env is None else env)
@@ -137,6 +142,23 @@ class KVCloudConfig:
             raise ConfigError("KVCLOUD_TTL_SECONDS must be positive")
         if self.max_connections <= 0:
             raise ConfigError("KVCLOUD_MAX_CONNECTIONS must be positive")
+        raw_names: Any = self.encrypt_tenants
+        names = raw_names.split(",") if isinstance(raw_names, str) else raw_names
+        if not isinstance(names, list | tuple | set | frozenset) or not all(
+            isinstance(n, str) for n in names
+        ):
+            raise ConfigError("KVCLOUD_ENCRYPT_TENANTS: a comma list of tenant names, or *")
+        cleaned = sorted({n.strip() for n in names if n.strip()})
+        # "*" means everyone; a list that also names tenants is the same thing
+        self.encrypt_tenants = "*" if "*" in cleaned else ",".join(cleaned)
+
+    def encrypts(self, tenant: str) -> bool:
+        """Whether ``tenant``'s segments are encrypted at rest."""
+        # parsed from the (normalised) string each time, so assigning the field later works
+        if not tenant:
+            return False
+        names = {n.strip() for n in self.encrypt_tenants.split(",")}
+        return "*" in names or tenant in names
 
     @property
     def insecure_secret(self) -> bool:

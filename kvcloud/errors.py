@@ -55,6 +55,12 @@ class CodecError(CorruptObjectError):
     """The payload could not be decompressed (or decrypted) to the declared size."""
 
 
+class DecryptionError(CodecError):
+    """An encrypted object failed authentication (wrong key, tampered ciphertext, tag, nonce
+    or header), or its encryption does not match the tenant's policy. A miss, like any
+    corrupt object; the message never contains key material."""
+
+
 # --- backends --------------------------------------------------------------------------------
 
 
@@ -90,6 +96,7 @@ __all__ = [
     "CodecError",
     "ConfigError",
     "CorruptObjectError",
+    "DecryptionError",
     "DigestMismatchError",
     "HeaderMismatchError",
     "IndexBackendError",

@@ -6,6 +6,12 @@ The object key is the SHA-256 digest of the whole object, so identical content a
 lands on the same key and a flipped bit anywhere is caught by the digest. Decoding treats its
 input as hostile: every declared length is checked against the real size and against the
 namespace before anything is allocated, and every failure is a CorruptObjectError subclass.
+
+Encrypted segments (``enc.alg = "aes-256-gcm"``, see crypto.py) carry ciphertext ‖ tag as
+their payload: the codec's output is encrypted (compress first, then encrypt), the object key
+is still the digest of the stored bytes, and decoding needs the tenant's key. The digest is
+checked before the tag, so damage in transit or at rest reads as a digest mismatch, and a
+tampered object re-stored under its own correct address reads as a DecryptionError.
 """
 
 from __future__ import annotations
@@ -20,10 +26,23 @@ import msgpack
 import numpy as np
 import zstandard
 
+from .crypto import (
+    ALG,
+    KEY_ID_MAX_LEN,
+    NONCE_BYTES,
+    TAG_BYTES,
+    StreamDecryptor,
+    TenantKey,
+    decrypt,
+    encrypt_into,
+    segment_aad,
+    synthetic_nonce,
+)
 from .errors import (
     BadMagicError,
     CodecError,
     ConfigError,
+    DecryptionError,
     DigestMismatchError,
     HeaderMismatchError,
     LayoutError,
@@ -81,6 +100,35 @@ class SegmentHeader:
         layers, heads, dim = self.layout
         return (layers, 2, self.n_tokens, heads, dim)
 
+    @property
+    def encrypted(self) -> bool:
+        return self.encryption.get("alg") == ALG
+
+    @property
+    def key_id(self) -> str | None:
+        """Which key sealed the payload (``t:<hex>:v1``); None when it is not encrypted."""
+        return self.encryption.get("kid") if self.encrypted else None
+
+    @property
+    def nonce(self) -> bytes:
+        return self.encryption.get("nonce", b"") if self.encrypted else b""
+
+    def aad(self) -> bytes:
+        """The associated data an encrypted payload's tag covers (every field but the nonce)."""
+        return segment_aad(
+            version=self.version,
+            ns=self.ns,
+            fp=self.fp,
+            parent=self.parent,
+            n_tokens=self.n_tokens,
+            layout=self.layout,
+            dtype=self.dtype,
+            codec=self.codec,
+            raw_len=self.raw_len,
+            payload_len=self.payload_len,
+            key_id=self.key_id or "",
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "version": self.version,
@@ -93,7 +141,10 @@ class SegmentHeader:
             "codec": self.codec,
             "raw_len": self.raw_len,
             "payload_len": self.payload_len,
-            "encryption": dict(self.encryption),
+            # JSON-ready: the nonce as hex
+            "encryption": {
+                k: v.hex() if isinstance(v, bytes) else v for k, v in self.encryption.items()
+            },
         }
 
 
@@ -114,6 +165,39 @@ def _pack_header(h: dict[str, Any]) -> bytes:
     return msgpack.packb(h, use_bin_type=True)
 
 
+def _plain_parts(kv: np.ndarray) -> list[memoryview]:
+    """The chunk's bytes in C order as contiguous byte views. A chunk sliced out of a longer
+    array is strided, but each [layer, K|V] block of it is contiguous: hashing and encrypting
+    block by block avoids a copy of the whole chunk."""
+    if kv.flags.c_contiguous:
+        return [memoryview(kv.reshape(-1).view(np.uint8))]
+    return [
+        memoryview(np.ascontiguousarray(kv[idx]).reshape(-1).view(np.uint8))
+        for idx in np.ndindex(*kv.shape[:2])
+    ]
+
+
+def _seal(
+    header: dict[str, Any], parts: list[memoryview], plain_len: int, key: TenantKey
+) -> EncodedSegment:
+    """Encrypt the payload parts under ``key`` and build the object around them."""
+    header["enc"] = {"alg": ALG, "kid": key.key_id, "nonce": bytes(NONCE_BYTES)}
+    header["payload_len"] = plain_len + TAG_BYTES
+    # the AAD comes from the parsed header, exactly as the decoder will rebuild it; the
+    # placeholder nonce does not matter because the nonce is not part of the AAD
+    aad = _parse_header(header).aad()
+    nonce = synthetic_nonce(key, aad, parts)
+    header["enc"]["nonce"] = nonce
+    hbytes = _pack_header(header)
+    start = _PREFIX.size + len(hbytes)
+    buf = bytearray(start + plain_len + TAG_BYTES)
+    _PREFIX.pack_into(buf, 0, MAGIC, len(hbytes))
+    buf[_PREFIX.size : start] = hbytes
+    # ciphertext and tag are written straight into the object buffer
+    encrypt_into(key, nonce, aad, parts, memoryview(buf)[start:])
+    return EncodedSegment(digest=content_digest(buf), data=buf, header=_parse_header(header))
+
+
 def encode_segment(
     ns: Namespace,
     fp: bytes,
@@ -121,8 +205,14 @@ def encode_segment(
     kv: np.ndarray,
     codec: str = "raw",
     level: int | None = None,
+    *,
+    key: TenantKey | None = None,
 ) -> EncodedSegment:
-    """Encode one segment ``[layers, 2, n_tokens, kv_heads, head_dim]`` into object bytes."""
+    """Encode one segment ``[layers, 2, n_tokens, kv_heads, head_dim]`` into object bytes.
+
+    With ``key`` the payload is encrypted (after compression) and the object is still
+    deterministic: the same chunk under the same key always encodes to the same bytes.
+    """
     if codec not in CODECS:
         raise ConfigError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
     if len(fp) != FP_BYTES or len(parent) != FP_BYTES:
@@ -145,6 +235,8 @@ def encode_segment(
         "payload_len": 0,
         "enc": {"alg": "none"},
     }
+    if codec == "raw" and key is not None:
+        return _seal(header, _plain_parts(kv), raw_len, key)
     if codec == "raw":
         header["payload_len"] = raw_len
         hbytes = _pack_header(header)
@@ -163,6 +255,8 @@ def encode_segment(
             ).compress(memoryview(contiguous).cast("B"))
         else:
             payload = lz4.block.compress(memoryview(contiguous).cast("B"), store_size=False)
+        if key is not None:
+            return _seal(header, [memoryview(payload)], len(payload), key)
         header["payload_len"] = len(payload)
         hbytes = _pack_header(header)
         data = b"".join([_PREFIX.pack(MAGIC, len(hbytes)), hbytes, payload])
@@ -207,8 +301,19 @@ def _parse_header(h: Any) -> SegmentHeader:
     raw_len = _field(h, "raw_len", int)
     payload_len = _field(h, "payload_len", int)
     enc = _field(h, "enc", dict)
-    if enc.get("alg") != "none":
-        raise CodecError(f"unsupported encryption {enc.get('alg')!r}")
+    alg = enc.get("alg")
+    overhead = 0  # payload bytes beyond what the codec produced
+    if type(alg) is str and alg == ALG:
+        if set(enc) != {"alg", "kid", "nonce"}:
+            raise MalformedHeaderError("encryption map must hold exactly alg, kid and nonce")
+        kid, nonce = enc["kid"], enc["nonce"]
+        if type(kid) is not str or not 0 < len(kid) <= KEY_ID_MAX_LEN:
+            raise MalformedHeaderError("encryption key id must be a short string")
+        if type(nonce) is not bytes or len(nonce) != NONCE_BYTES:
+            raise MalformedHeaderError(f"encryption nonce must be {NONCE_BYTES} bytes")
+        overhead = TAG_BYTES
+    elif not (type(alg) is str and alg == "none"):
+        raise CodecError(f"unsupported encryption {alg!r}")
     if not 0 < n_tokens < 1 << 24:
         raise MalformedHeaderError(f"n_tokens {n_tokens} out of range")
     layers, heads, dim = layout
@@ -217,8 +322,10 @@ def _parse_header(h: Any) -> SegmentHeader:
         raise MalformedHeaderError(f"raw_len {raw_len} disagrees with shape ({expected_raw})")
     if not 0 <= payload_len <= MAX_RAW_LEN or raw_len > MAX_RAW_LEN:
         raise MalformedHeaderError("declared lengths out of range")
-    if codec == "raw" and payload_len != raw_len:
-        raise MalformedHeaderError("raw payload length must equal raw_len")
+    if codec == "raw" and payload_len != raw_len + overhead:
+        raise MalformedHeaderError("raw payload length must equal raw_len (plus the tag)")
+    if payload_len < overhead:
+        raise MalformedHeaderError("encrypted payload is shorter than its tag")
     return SegmentHeader(
         version=version,
         ns=ns,
@@ -285,6 +392,26 @@ def check_header(
         raise HeaderMismatchError(f"object holds {header.n_tokens} tokens, expected {n_tokens}")
 
 
+def _check_encryption(
+    header: SegmentHeader, key: TenantKey | None, require_encryption: bool
+) -> TenantKey | None:
+    """The key to decrypt this object with, or None when it is plaintext (and allowed to be).
+
+    An encrypting tenant accepts only encrypted objects: otherwise anyone who can write to the
+    store and the index could slip plaintext KV of their choosing into its restores.
+    """
+    if not header.encrypted:
+        if require_encryption:
+            raise DecryptionError("object is not encrypted, but this tenant's objects must be")
+        return None
+    if key is None:
+        raise DecryptionError("object is encrypted and no key was given to decode it")
+    if header.key_id != key.key_id:
+        # another tenant's key (or, after a rotation, another version of this one)
+        raise DecryptionError("object is encrypted under another key")
+    return key
+
+
 def _decompress(header: SegmentHeader, payload: memoryview) -> bytes | memoryview:
     if header.codec == "raw":
         return payload
@@ -322,11 +449,15 @@ def decode_segment(
     parent: bytes | None = None,
     n_tokens: int | None = None,
     out: np.ndarray | None = None,
+    key: TenantKey | None = None,
+    require_encryption: bool = False,
 ) -> DecodedSegment:
     """Verify and decode an object. With ``out``, the KV is copied into it and it is returned.
 
     ``digest`` is the expected content digest (the key's last component); give it whenever the
-    bytes came from a store. The other arguments say what the caller asked for.
+    bytes came from a store. The other arguments say what the caller asked for. ``key``
+    decrypts an encrypted object (DecryptionError without it, or with another tenant's);
+    ``require_encryption`` refuses a plaintext one.
     """
     view = memoryview(data).cast("B")
     if digest is not None and content_digest(view) != digest:
@@ -337,7 +468,11 @@ def decode_segment(
         raise TruncatedObjectError(
             f"object declares {header.raw_len} bytes; decode it with its namespace"
         )
-    raw = _decompress(header, view[offset:])
+    payload = view[offset:]
+    k = _check_encryption(header, key, require_encryption)
+    if k is not None:
+        payload = memoryview(decrypt(k, header.nonce, header.aad(), payload))
+    raw = _decompress(header, payload)
     storage = np.dtype(DTYPES[header.dtype].storage)
     src = np.frombuffer(raw, dtype=storage).reshape(header.shape)
     if out is None:
@@ -391,14 +526,18 @@ def read_segment_into(
     fp: bytes | None = None,
     parent: bytes | None = None,
     n_tokens: int | None = None,
+    key: TenantKey | None = None,
+    require_encryption: bool = False,
 ) -> tuple[SegmentHeader, int]:
     """Decode an object from a stream into ``out`` without holding the object in memory.
     Returns the header and the object's size in bytes.
 
     The header is read and checked first (so a hostile length never allocates), then a raw
-    payload is read straight into ``out`` (when it is C-contiguous) while being hashed. If
-    anything fails — including the digest, checked last — ``out`` holds garbage and the
-    caller must not use it.
+    payload is read straight into ``out`` (when it is C-contiguous) while being hashed; an
+    encrypted raw payload is read piece by piece into a small buffer, hashed, and decrypted
+    into ``out``. If anything fails — including the digest and the tag, checked last —
+    ``out`` holds garbage and the caller must not use it. ``key`` and
+    ``require_encryption`` as for decode_segment.
     """
     h = hashlib.sha256()
     prefix = _read_exact(reader, _PREFIX.size, "prefix")
@@ -421,24 +560,53 @@ def read_segment_into(
     storage = np.dtype(DTYPES[header.dtype].storage)
     if out.shape != header.shape or out.dtype.itemsize != storage.itemsize:
         raise LayoutError(f"out has shape {list(out.shape)}, object {list(header.shape)}")
+    k = _check_encryption(header, key, require_encryption)
+    size = _PREFIX.size + header_len + header.payload_len
+
+    def check_end() -> None:
+        if reader.read(1):
+            raise TruncatedObjectError("object has bytes after its declared payload")
+        if digest is not None and h.hexdigest() != digest:
+            raise DigestMismatchError("object bytes do not match their content address")
+
     if header.codec == "raw" and out.flags.c_contiguous:
         view = memoryview(out.reshape(-1).view(np.uint8))
-        # hash each piece right after it lands, while it is still in cache
+        if k is None:
+            # hash each piece right after it lands, while it is still in cache
+            for off in range(0, len(view), _STREAM_PIECE):
+                piece = view[off : off + _STREAM_PIECE]
+                _readinto_exact(reader, piece)
+                h.update(piece)
+            check_end()
+            return header, size
+        # ciphertext lands in a small buffer, is hashed there and decrypted into the page:
+        # one pass over the page, no copy of the object
+        dec = StreamDecryptor(k, header.nonce, header.aad())
+        scratch = memoryview(bytearray(min(_STREAM_PIECE, len(view))))
         for off in range(0, len(view), _STREAM_PIECE):
-            piece = view[off : off + _STREAM_PIECE]
+            piece = scratch[: min(_STREAM_PIECE, len(view) - off)]
             _readinto_exact(reader, piece)
             h.update(piece)
-    else:
-        # compressed payloads are at most a little larger than what they decode to
-        if header.payload_len > header.raw_len + (1 << 20):
-            raise MalformedHeaderError("payload is larger than its decoded size allows")
-        payload = _read_exact(reader, header.payload_len, "payload")
-        h.update(payload)
-        raw = _decompress(header, memoryview(payload))
-        src = np.frombuffer(raw, dtype=storage).reshape(header.shape)
-        np.copyto(out.view(storage) if out.dtype != storage else out, src, casting="no")
-    if reader.read(1):
-        raise TruncatedObjectError("object has bytes after its declared payload")
-    if digest is not None and h.hexdigest() != digest:
-        raise DigestMismatchError("object bytes do not match their content address")
-    return header, _PREFIX.size + header_len + header.payload_len
+            dec.update_into(piece, view[off:])
+        tag = _read_exact(reader, TAG_BYTES, "tag")
+        h.update(tag)
+        authentic = dec.finish(tag)
+        check_end()  # a damaged object is a digest mismatch first
+        if not authentic:
+            raise DecryptionError(
+                "object failed authentication (wrong key, or tampered ciphertext or header)"
+            )
+        return header, size
+    # compressed payloads are at most a little larger than what they decode to
+    if header.payload_len > header.raw_len + (1 << 20) + (TAG_BYTES if k else 0):
+        raise MalformedHeaderError("payload is larger than its decoded size allows")
+    payload = _read_exact(reader, header.payload_len, "payload")
+    h.update(payload)
+    check_end()
+    plain: bytes = (
+        payload if k is None else decrypt(k, header.nonce, header.aad(), memoryview(payload))
+    )
+    raw = _decompress(header, memoryview(plain))
+    src = np.frombuffer(raw, dtype=storage).reshape(header.shape)
+    np.copyto(out.view(storage) if out.dtype != storage else out, src, casting="no")
+    return header, size

@@ -88,7 +88,21 @@ _ENGINE_FLAGS: list[tuple[str, str, type, str, str]] = [
         "SECONDS",
         "longest store/index call on the request path [$KVCLOUD_REMOTE_TIMEOUT]",
     ),
-    ("--tenant", "tenant", str, "NAME", "tenant of every request [$KVCLOUD_TENANT]"),
+    (
+        "--tenant",
+        "tenant",
+        str,
+        "NAME",
+        "tenant of every request when no API keys are configured [$KVCLOUD_TENANT]",
+    ),
+    (
+        "--api-keys-file",
+        "api_keys_file",
+        str,
+        "PATH",
+        "'<key> <tenant>' lines; requests must then send 'Authorization: Bearer <key>' "
+        "(keys also from $KVCLOUD_API_KEYS='key=tenant,...') [$KVCLOUD_API_KEYS_FILE]",
+    ),
 ]
 
 

@@ -8,6 +8,8 @@ import socket
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .auth import ApiKeys, load_api_keys
+
 WRITE_POLICIES = ("write-back", "write-through", "off")
 
 
@@ -68,7 +70,16 @@ class WorkerOptions:
     """Pull a remote hit only when the measured store speed beats recomputing it."""
 
     tenant: str = field(default="default", metadata={"env": "KVCLOUD_TENANT"})
-    """Tenant for requests that do not name one."""
+    """Tenant of every request when no API keys are configured (unused when they are)."""
+
+    api_keys_file: str | None = field(default=None, metadata={"env": "KVCLOUD_API_KEYS_FILE"})
+    """File of '<key> <tenant>' lines (see workers.auth); requests must then carry a key."""
+
+    api_keys: str | None = field(default=None, repr=False, metadata={"env": "KVCLOUD_API_KEYS"})
+    """'key1=tenantA,key2=tenantB'; env only (a flag would show keys in process listings)."""
+
+    api_key_map: ApiKeys | None = field(default=None, init=False, repr=False, compare=False)
+    """The parsed keys (None: no authentication); loaded here so a bad file fails at startup."""
 
     def __post_init__(self) -> None:
         if self.store is not None and self.store.strip().lower() in ("", "none"):
@@ -83,6 +94,8 @@ class WorkerOptions:
             raise ValueError("kv_dtype must be float16, bfloat16 or float32")
         if self.store is not None and not self.index:
             raise ValueError("a store needs an index (--index or KVCLOUD_INDEX)")
+        # ApiKeyError is a ValueError, so the CLI reports it as a configuration error
+        self.api_key_map = load_api_keys(self.api_keys_file, self.api_keys)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> WorkerOptions:

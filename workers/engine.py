@@ -280,7 +280,9 @@ class Engine:
                 and self.options.write_policy == "write-back"
             ):
                 # the seed's policy: snapshot the segment as it leaves memory
-                self.uploader.offer(UploadItem(cp.fp, cp.parent, self._page_array(cp.page)))
+                self.uploader.offer(
+                    UploadItem(cp.fp, cp.parent, self._page_array(cp.page), tenant=cp.tenant)
+                )
             self.pool.release(cp.page)
             return True
         # no idle page: let go of the least recently used idle session's pages
@@ -312,11 +314,11 @@ class Engine:
             else:
                 self.prefix.release(s.fp)
 
-    def _register_full(self, slot: Slot, fp: bytes, parent: bytes) -> None:
+    def _register_full(self, slot: Slot, fp: bytes, parent: bytes, tenant: str) -> None:
         """A private page just became a full chunk: share it through the prefix cache."""
         if slot.fp is not None or fp in self.prefix:
             return  # already shared, or another copy is (keep ours private)
-        cp = self.prefix.insert(fp, parent, slot.page)
+        cp = self.prefix.insert(fp, parent, slot.page, tenant=tenant)
         slot.fp = fp
         if self.uploader is not None and self.options.write_policy == "write-through":
             self._offer_upload(cp)
@@ -327,7 +329,9 @@ class Engine:
                 cp.stored = True
 
         assert self.uploader is not None
-        self.uploader.offer(UploadItem(cp.fp, cp.parent, self._page_array(cp.page), done))
+        self.uploader.offer(
+            UploadItem(cp.fp, cp.parent, self._page_array(cp.page), done, tenant=cp.tenant)
+        )
 
     def _make_private(self, slots: list[Slot], index: int) -> None:
         """Copy-on-write before writing into a shared page."""
@@ -393,7 +397,7 @@ class Engine:
         for j, page in enumerate(pages):
             if j < res:
                 ref = sub.chunks[j]
-                self.prefix.insert(ref.fp, ref.parent, page, stored=True)
+                self.prefix.insert(ref.fp, ref.parent, page, stored=True, tenant=sub.tenant)
                 acq.slots.append(Slot(page, ref.fp))
             else:
                 self.pool.release(page)
@@ -453,7 +457,9 @@ class Engine:
                 ok, _ = self._pull(sub, pages)
                 for j, page in enumerate(pages):
                     if j < ok and rest[j].fp not in self.prefix:
-                        self.prefix.insert(rest[j].fp, rest[j].parent, page, stored=True)
+                        self.prefix.insert(
+                            rest[j].fp, rest[j].parent, page, stored=True, tenant=m.tenant
+                        )
                         acq.slots.append(Slot(page, rest[j].fp))
                     elif j < ok:
                         acq.slots.append(Slot(page, None))
@@ -620,7 +626,9 @@ class Engine:
         self.cost.observe_prefill(computed, cached, time.perf_counter() - t_prefill)
         chain = list(fps)
         for j in range(cached // c, len(tokens) // c):
-            self._register_full(slots[j], chain[j], chain[j - 1] if j else self.ns.digest)
+            self._register_full(
+                slots[j], chain[j], chain[j - 1] if j else self.ns.digest, req.tenant
+            )
         gen: list[int] = []
         g = None
         if req.temperature > 0:
@@ -649,7 +657,7 @@ class Engine:
                 parent = chain[j - 1] if j else self.ns.digest
                 fp = next_fingerprint(parent, all_tokens[j * c : pos], self._tenant_key(req.tenant))
                 chain.append(fp)
-                self._register_full(slots[j], fp, parent)
+                self._register_full(slots[j], fp, parent, req.tenant)
         # pages past the KV we hold are not needed
         keep = -(-pos // c)
         while len(slots) > keep:
@@ -700,7 +708,7 @@ class Engine:
             parent = fps[j - 1] if j else self.ns.digest
             chunks.append((fps[j], parent, self._page_array(sess.slots[j].page)))
         try:
-            res = self.kv.push_chunks(self.ns, chunks)
+            res = self.kv.push_chunks(self.ns, chunks, tenant=sess.tenant)
             tail_key = None
             if sess.kv_len % c:
                 parent = fps[-1] if fps else self.ns.digest
@@ -748,8 +756,10 @@ class Engine:
             try:
                 return self._flush_locked(sess)
             except KVCloudError as exc:
+                # the details (endpoints, object keys) go to the log, not to the client
+                log.warning("flush of %s failed: %s", session_id[:12], exc)
                 raise StoreUnavailableError(
-                    f"flush failed, the store is unavailable: {exc}"
+                    "flush failed: the store is unavailable; retry"
                 ) from None
 
     def session_info(self, session_id: str, tenant: str) -> SessionInfo:
@@ -809,13 +819,15 @@ class Engine:
             return 0
         written = 0
         with self._lock:
-            chunks = [
-                (cp.fp, cp.parent, self._page_array(cp.page))
-                for cp in self.prefix.pages()
-                if kv is not None or not cp.stored
-            ]
-            if chunks:
-                written = target.push_chunks(self.ns, chunks).bytes_written
+            by_tenant: dict[str | None, list[tuple[bytes, bytes, Any]]] = {}
+            for cp in self.prefix.pages():
+                if kv is not None or not cp.stored:
+                    by_tenant.setdefault(cp.tenant, []).append(
+                        (cp.fp, cp.parent, self._page_array(cp.page))
+                    )
+            # one push per tenant: the tenant decides whether its objects are encrypted
+            for tenant, chunks in by_tenant.items():
+                written += target.push_chunks(self.ns, chunks, tenant=tenant).bytes_written
             if kv is None:
                 for cp in self.prefix.pages():
                     cp.stored = True

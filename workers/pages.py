@@ -87,6 +87,7 @@ class CachedPage:
     parent: bytes
     refs: int = 0
     stored: bool = False  # known to be in kvcloud: never pushed again
+    tenant: str | None = None  # whose fingerprints: decides its encryption when pushed
 
 
 class PrefixCache:
@@ -126,11 +127,13 @@ class PrefixCache:
         if cp.refs == 0:
             self._lru[fp] = None  # most recently used end
 
-    def insert(self, fp: bytes, parent: bytes, page: int, stored: bool = False) -> CachedPage:
+    def insert(
+        self, fp: bytes, parent: bytes, page: int, stored: bool = False, tenant: str | None = None
+    ) -> CachedPage:
         """Register a full page, held once by the caller."""
         if fp in self._by_fp:
             raise KeyError("fingerprint already cached")
-        cp = CachedPage(page=page, fp=fp, parent=parent, refs=1, stored=stored)
+        cp = CachedPage(page=page, fp=fp, parent=parent, refs=1, stored=stored, tenant=tenant)
         self._by_fp[fp] = cp
         return cp
 

@@ -34,8 +34,16 @@ whose KV was in this worker's pages), ``tokens_remote`` (pulled from kvcloud),
 ``usage.prompt_tokens`` counts the whole model input, session history included, and
 ``usage.prompt_tokens_details.cached_tokens`` is tokens_local + tokens_remote.
 
+Authentication (see ``workers.auth``): with API keys configured, every ``/v1/`` request must
+send ``Authorization: Bearer <key>``; the key decides the tenant (fingerprint key and sessions).
+A missing or unknown key is answered 401 before the body is read. ``/healthz``, ``/metrics``
+and the OpenAPI document stay open for probes and scrapers; they hold no tenant data. Without
+keys every request is tenant ``options.tenant`` (one warning at startup). No header or body
+field names a tenant: unknown body fields are ignored like any other.
+
 Errors are ``{"error": {"message", "type", "param", "code"}}``: 400 for an invalid request
-(validation, malformed JSON, a prompt that does not fit the context), 404 for an unknown session
+(validation, malformed JSON, a prompt that does not fit the context or this worker's KV cache),
+401 for a missing or unknown API key, 404 for an unknown session (another tenant's included)
 or path, 413 for an oversized body, 503 when every KV page is pinned, 500 for anything
 unexpected (the details go to the log, never to the client).
 
@@ -62,6 +70,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .auth import ApiKeys, redact_credentials_in_logs
 from .errors import ContextLengthError, WorkerError
 from .tokenizer import apply_chat_template
 from .types import CompletionRequest, CompletionResult
@@ -70,6 +79,9 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 log = logging.getLogger("kvcloud.worker.http")
+# At import, not in create_app: `kvcloud-worker serve` imports this module before it builds the
+# engine, whose store already talks to S3 (and botocore, at DEBUG, prints credentials).
+redact_credentials_in_logs()
 
 DEFAULT_MAX_TOKENS = 16
 MAX_TEMPERATURE = 2.0  # OpenAI's bound; beyond it sampling is noise anyway
@@ -231,7 +243,8 @@ def _request_models(max_context: int, vocab_size: int) -> tuple[type[_Body], typ
         n: int = Field(1, ge=1, le=1, description="only one choice is supported")
 
     class CompletionBody(GenerationParams):
-        prompt: str | Annotated[list[TokenId], Field(max_length=max_context)]
+        # a text prompt may be empty (BOS still opens it); a token prompt may not (no input)
+        prompt: str | Annotated[list[TokenId], Field(min_length=1, max_length=max_context)]
 
     class ChatCompletionBody(GenerationParams):
         messages: list[ChatMessage] = Field(min_length=1)
@@ -394,16 +407,74 @@ class _BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
+_TENANT_STATE = "kvcloud_tenant"  # where _AuthMiddleware leaves the tenant in scope["state"]
+_AUTH_SCHEME = "apiKey"  # the OpenAPI security scheme's name
+
+
+def _is_protected(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/")
+
+
+def _unauthorized(missing: bool) -> JSONResponse:
+    # OpenAI's shape and code; the key itself is never echoed (OpenAI echoes a masked one).
+    if missing:
+        message = "missing API key: send it as 'Authorization: Bearer <key>'"
+        challenge = 'Bearer realm="kvcloud"'
+    else:
+        message = "invalid API key"
+        challenge = 'Bearer realm="kvcloud", error="invalid_token"'
+    response = _error(401, message, "invalid_api_key")
+    response.headers["WWW-Authenticate"] = challenge  # RFC 6750
+    return response
+
+
+class _AuthMiddleware:
+    """Maps the request's API key to its tenant, or answers 401 for ``/v1/`` paths.
+
+    A middleware rather than a route dependency so that it runs before anything else reads
+    the request: an unauthenticated caller gets 401 for a malformed or oversized body too, and
+    learns nothing about validation. Keys are never logged (uvicorn's access log has no
+    headers).
+    """
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not _is_protected(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        header = Headers(scope=scope).get("authorization")
+        tenant = self.keys.tenant_for_authorization(header)
+        if tenant is None:
+            await _unauthorized(missing=not header)(scope, receive, send)
+            return
+        scope.setdefault("state", {})[_TENANT_STATE] = tenant
+        await self.app(scope, receive, send)
+
+
+class _AuthRequired(Exception):
+    """Raised by _tenant_for when no authenticated tenant is present; answered 401."""
+
+
 # -- the app ----------------------------------------------------------------------------------
 
 
 def _tenant_for(request: Request) -> str:
     """The tenant a request acts for: whose fingerprint key and sessions it uses.
 
-    Every request is the configured tenant until API keys are mapped to tenants; this is the
-    one place that mapping goes.
+    With API keys, the tenant _AuthMiddleware found for the request's key; without, the
+    configured tenant. Nothing the caller sends besides the key can change it.
     """
-    return request.app.state.engine.options.tenant
+    engine = request.app.state.engine
+    if engine.options.api_key_map is None:
+        return engine.options.tenant
+    tenant = request.scope.get("state", {}).get(_TENANT_STATE)
+    if tenant is None:
+        # fail closed: a route that needs a tenant but was not authenticated is a bug here
+        raise _AuthRequired()
+    return str(tenant)
 
 
 def _flush_and_close(engine: "Engine") -> None:
@@ -432,6 +503,9 @@ def create_app(engine: "Engine") -> FastAPI:
     """
     tokenizer = engine.tokenizer
     max_context = int(engine.max_context)
+    # Positions 0 .. prompt + max_tokens - 2 hold KV (the last token is never fed back), so
+    # prompt + max_tokens <= pages x chunk always fits an idle pool, BOS included.
+    cache_tokens = engine.options.cache_pages * engine.options.chunk_tokens
     CompletionBody, ChatCompletionBody = _request_models(max_context, tokenizer.vocab_size)
     started_at = int(time.time())
 
@@ -454,8 +528,31 @@ def create_app(engine: "Engine") -> FastAPI:
         responses=error_responses,
     )
     app.state.engine = engine
+    api_keys: ApiKeys | None = engine.options.api_key_map
+    if api_keys is None:
+        log.warning(
+            "no API keys configured (--api-keys-file, KVCLOUD_API_KEYS): every request acts "
+            "as tenant %r, unauthenticated",
+            engine.options.tenant,
+        )
+    else:
+        log.info(
+            "API keys: %d key(s) for %d tenant(s) from %s",
+            len(api_keys),
+            len(api_keys.tenants),
+            ", ".join(api_keys.sources),
+        )
+        for warning in api_keys.warnings:
+            log.warning("%s", warning)
     app.add_middleware(_InternalErrorMiddleware)
     app.add_middleware(_BodyLimitMiddleware, limit=MAX_BODY_BYTES)
+    if api_keys is not None:
+        # added last = outermost: rejects before a body is buffered or parsed
+        app.add_middleware(_AuthMiddleware, keys=api_keys)
+
+    @app.exception_handler(_AuthRequired)
+    async def auth_required(request: Request, exc: _AuthRequired) -> JSONResponse:
+        return _unauthorized(missing=True)
 
     @app.exception_handler(WorkerError)
     async def worker_error(request: Request, exc: WorkerError) -> JSONResponse:
@@ -491,6 +588,15 @@ def create_app(engine: "Engine") -> FastAPI:
             raise ContextLengthError(
                 f"{len(prompt_tokens)} prompt tokens + {n} max_tokens exceed the context of "
                 f"{max_context}"
+            )
+        # A request holds pages for all its KV at once, so one that needs more than the whole
+        # pool can never run here: a 400, where the engine's "every page in use" 503 would
+        # tell the client to retry forever (found by the schemathesis fuzz test).
+        if len(prompt_tokens) + n > cache_tokens:
+            raise ContextLengthError(
+                f"{len(prompt_tokens)} prompt tokens + {n} max_tokens exceed this worker's KV "
+                f"cache of {cache_tokens} tokens ({engine.options.cache_pages} pages of "
+                f"{engine.options.chunk_tokens}; see --cache-pages)"
             )
         req = CompletionRequest(
             prompt_tokens=prompt_tokens,
@@ -652,8 +758,31 @@ def create_app(engine: "Engine") -> FastAPI:
                     operation.get("responses", {}).pop("422", None)
             for name in ("HTTPValidationError", "ValidationError"):
                 schema.get("components", {}).get("schemas", {}).pop(name, None)
+            if api_keys is not None:
+                _document_auth(schema)
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi
     return app
+
+
+def _document_auth(schema: dict[str, Any]) -> None:
+    """Declare the bearer scheme and its 401 on every /v1/ operation (keys configured)."""
+    components = schema.setdefault("components", {})
+    components.setdefault("securitySchemes", {})[_AUTH_SCHEME] = {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "an API key; it decides the tenant",
+    }
+    for path, item in schema.get("paths", {}).items():
+        if not _is_protected(path):
+            continue
+        for operation in item.values():
+            operation["security"] = [{_AUTH_SCHEME: []}]
+            operation.setdefault("responses", {})["401"] = {
+                "description": "missing or unknown API key",
+                "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}
+                },
+            }

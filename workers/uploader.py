@@ -28,6 +28,7 @@ class UploadItem:
     parent: bytes
     kv: np.ndarray  # a host copy the uploader owns
     on_done: Callable[[bool], None] | None = None
+    tenant: str | None = None  # whose fps: kvcloud encrypts for tenants that want it
 
 
 class Uploader:
@@ -92,7 +93,9 @@ class Uploader:
             started = time.perf_counter()
             ok = False
             try:
-                res = self.kv.push_chunks(self.ns, [(item.fp, item.parent, item.kv)])
+                res = self.kv.push_chunks(
+                    self.ns, [(item.fp, item.parent, item.kv)], tenant=item.tenant
+                )
                 ok = True
                 self._on_result("ok", res.bytes_written)
             except (KVCloudError, OSError) as exc:

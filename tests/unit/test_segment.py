@@ -10,9 +10,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcloud import CorruptObjectError, KVCloudError, LayoutError, derive_tenant_key
+from kvcloud.crypto import derive_data_key
 from kvcloud.errors import (
     BadMagicError,
     CodecError,
+    DecryptionError,
     DigestMismatchError,
     HeaderMismatchError,
     MalformedHeaderError,
@@ -309,6 +311,167 @@ def test_stream_decode_hostile_only_typed_errors(
     tracemalloc.start()
     try:
         read_segment_into(io.BytesIO(data), out, digest=content_digest(data), ns=ns)
+    except KVCloudError as exc:
+        assert isinstance(exc, CorruptObjectError | LayoutError), type(exc)
+    finally:
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    assert peak < 4 * len(data) + 2 * ns.chunk_bytes + (1 << 20), peak
+
+
+# --- encrypted segments (issue 5) ---------------------------------------------------------------
+
+_DKEY = derive_data_key(b"secret", "t")
+_OTHER_DKEY = derive_data_key(b"secret", "u")
+
+
+@pytest.mark.parametrize("dtype", DTYPE_CASES)
+@pytest.mark.parametrize("codec", CODECS)
+def test_encrypted_round_trip_bit_exact_and_deterministic(dtype: str, codec: str) -> None:
+    import io
+
+    ns = make_ns(dtype)
+    toks = make_tokens(32)
+    fps = chunk_fingerprints(ns, toks, KEY)
+    kv = make_kv(ns, 32)
+    strided = kv[:, :, 16:32]  # a slice of a longer array, as push() hands it over
+    seg = encode_segment(ns, fps[1], fps[0], strided, codec=codec, key=_DKEY)
+    again = encode_segment(ns, fps[1], fps[0], np.ascontiguousarray(strided), codec, key=_DKEY)
+    assert bytes(seg.data) == bytes(again.data)  # deterministic: equal chunks dedup
+    assert seg.header.encrypted and seg.header.key_id == _DKEY.key_id
+    assert seg.header.to_dict()["encryption"]["nonce"] == seg.header.nonce.hex()
+    assert bytes(seg.data) != bytes(encode_segment(ns, fps[1], fps[0], strided, codec).data)
+    want = np.ascontiguousarray(strided)
+    dec = decode_segment(
+        seg.data, digest=seg.digest, ns=ns, fp=fps[1], parent=fps[0], n_tokens=16, key=_DKEY
+    )
+    assert same_bits(dec.array, want)
+    out = np.empty(ns.kv_shape(16), dtype=ns.dtype_info.storage)
+    header, size = read_segment_into(
+        io.BytesIO(bytes(seg.data)), out, digest=seg.digest, ns=ns, key=_DKEY
+    )
+    assert size == len(seg.data) and header.encrypted and same_bits(out, want)
+    # a strided destination takes the buffered path
+    big = np.empty(ns.kv_shape(32), dtype=ns.dtype_info.storage)
+    read_segment_into(io.BytesIO(bytes(seg.data)), big[:, :, 16:], ns=ns, key=_DKEY)
+    assert same_bits(big[:, :, 16:], want)
+
+
+def test_encrypted_needs_the_right_key_and_policy() -> None:
+    import io
+
+    ns, fps, kv, plain = _seg()
+    seg = encode_segment(ns, fps[1], fps[0], kv[:, :, 16:32], key=_DKEY)
+    out = np.empty(ns.kv_shape(16), dtype=ns.dtype_info.storage)
+    for key in (None, _OTHER_DKEY):
+        with pytest.raises(DecryptionError):
+            decode_segment(seg.data, ns=ns, key=key)
+        with pytest.raises(DecryptionError):
+            read_segment_into(io.BytesIO(bytes(seg.data)), out, ns=ns, key=key)
+    # a plaintext object is fine unless the tenant requires encryption
+    decode_segment(plain.data, ns=ns, key=_DKEY)
+    with pytest.raises(DecryptionError):
+        decode_segment(plain.data, ns=ns, key=_DKEY, require_encryption=True)
+    with pytest.raises(DecryptionError):
+        read_segment_into(io.BytesIO(bytes(plain.data)), out, ns=ns, require_encryption=True)
+
+
+def test_encrypted_stream_decode_rejects_damage() -> None:
+    """Each flipped byte, in place (digest mismatch) and re-addressed (the tag's job)."""
+    import io
+
+    ns, fps, kv, _ = _seg()
+    seg = encode_segment(ns, fps[1], fps[0], kv[:, :, 16:32], key=_DKEY)
+    data = bytes(seg.data)
+    _, offset = read_header(data)
+    out = np.empty(ns.kv_shape(16), dtype=ns.dtype_info.storage)
+    for pos in range(0, len(data), max(1, len(data) // 73)):
+        bad = bytearray(data)
+        bad[pos] ^= 0x20
+        with pytest.raises(CorruptObjectError) as in_place:
+            read_segment_into(io.BytesIO(bytes(bad)), out, digest=seg.digest, ns=ns, key=_DKEY)
+        if pos >= offset:  # the payload parses whatever it holds: the digest catches it first
+            assert isinstance(in_place.value, DigestMismatchError)
+        with pytest.raises(CorruptObjectError) as exc:
+            read_segment_into(
+                io.BytesIO(bytes(bad)), out, digest=content_digest(bad), ns=ns, key=_DKEY
+            )
+        if pos >= offset:
+            assert isinstance(exc.value, DecryptionError)
+
+
+def _encrypted_header(codec: str) -> tuple[dict, bytes]:
+    ns, fps, kv, _ = _seg(codec=codec)
+    seg = encode_segment(ns, fps[1], fps[0], kv[:, :, 16:32], codec=codec, key=_DKEY)
+    data = bytes(seg.data)
+    hlen = struct.unpack_from("<I", data, 4)[0]
+    return msgpack.unpackb(data[8 : 8 + hlen]), data[8 + hlen :]
+
+
+_VALID_ENCRYPTED = {codec: _encrypted_header(codec) for codec in CODECS}
+
+
+@st.composite
+def hostile_encrypted(draw: st.DrawFn) -> bytes:
+    """A valid encrypted object whose header (mostly its ``enc`` map) is then garbled."""
+    header, payload = _VALID_ENCRYPTED[draw(st.sampled_from(CODECS))]
+    h = {k: (dict(v) if isinstance(v, dict) else v) for k, v in header.items()}
+    enc = h["enc"]
+    choice = draw(st.integers(0, 3))
+    if choice == 0:  # the enc map replaced by anything at all
+        h["enc"] = draw(_values)
+    elif choice == 1:  # fields of the enc map garbled, dropped or added
+        for key in draw(st.lists(st.sampled_from(["alg", "kid", "nonce"]), max_size=3)):
+            if draw(st.booleans()):
+                enc[key] = draw(
+                    st.one_of(
+                        _values,
+                        st.sampled_from(["aes-256-gcm", "none", "AES-256-GCM", ""]),
+                        st.binary(min_size=11, max_size=13),
+                        st.text(min_size=60, max_size=70),
+                    )
+                )
+            else:
+                enc.pop(key, None)
+        for k, v in draw(st.dictionaries(st.text(max_size=6), _values, max_size=2)).items():
+            enc[k] = v
+    elif choice == 2:  # a well-formed map that lies: another nonce or key id
+        enc["nonce"] = draw(st.binary(min_size=12, max_size=12))  # the tag's job
+        if draw(st.booleans()):
+            enc["kid"] = draw(st.text(min_size=1, max_size=64))
+    # lengths that disagree with the tag, sometimes wildly
+    if draw(st.booleans()):
+        h["payload_len"] = draw(
+            st.sampled_from([0, 15, 16, 17, h["raw_len"], h["raw_len"] + 16, 2**31, -1])
+        )
+    body = draw(st.sampled_from(["keep", "random", "cut"]))
+    if body == "random":
+        payload = draw(st.binary(max_size=1024))
+    elif body == "cut":
+        payload = payload[: draw(st.integers(0, len(payload)))]
+    return _frame(h, payload)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=hostile_encrypted(), require=st.booleans())
+def test_hostile_encrypted_headers_only_typed_errors_bounded_memory(
+    data: bytes, require: bool
+) -> None:
+    import io
+
+    ns = make_ns()
+    _assert_only_typed_and_bounded(data, key=_DKEY, require_encryption=require)
+    out = np.empty(ns.kv_shape(16), dtype=ns.dtype_info.storage)
+    tracemalloc.start()
+    try:
+        read_segment_into(
+            io.BytesIO(data),
+            out,
+            digest=content_digest(data),
+            ns=ns,
+            key=_DKEY,
+            require_encryption=require,
+        )
     except KVCloudError as exc:
         assert isinstance(exc, CorruptObjectError | LayoutError), type(exc)
     finally:
