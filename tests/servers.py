@@ -23,13 +23,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_port(port: int, timeout: float = 20.0, proc: subprocess.Popen | None = None) -> None:
+def wait_port(
+    port: int,
+    timeout: float = 20.0,
+    proc: subprocess.Popen | None = None,
+    host: str = "127.0.0.1",
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server process exited with {proc.returncode}")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            with socket.create_connection((host, port), timeout=0.5):
                 return
         except OSError:
             time.sleep(0.05)
@@ -42,6 +47,9 @@ class ServerProcess:
     port: int
     log_path: Path
     proc: subprocess.Popen | None = field(default=None, repr=False)
+    # where the server listens, as seen from the test process (another network namespace's
+    # address in multi-host tests)
+    host: str = "127.0.0.1"
 
     def start(self) -> ServerProcess:
         log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
@@ -49,7 +57,7 @@ class ServerProcess:
             self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         log.close()
-        wait_port(self.port, proc=self.proc)
+        wait_port(self.port, proc=self.proc, host=self.host)
         return self
 
     def _signal(self, sig: int) -> None:
@@ -90,21 +98,47 @@ class RedisServer(ServerProcess):
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
 
 
-def start_redis(workdir: Path, persistence: bool = False) -> RedisServer:
-    binary = shutil.which("redis-server")
+def netns_prefix(netns: str | None) -> list[str]:
+    """argv prefix that runs a command in a network namespace (``ip netns exec`` execs the
+    command, so the Popen pid is the server's own and signals reach it)."""
+    return [] if netns is None else ["ip", "netns", "exec", netns]
+
+
+def _redis_binary(name: str = "redis-server") -> str:
+    binary = shutil.which(name)
     if binary is None:
-        raise RuntimeError("redis-server not found; install it (apt-get install -y redis-server)")
+        raise RuntimeError(f"{name} not found; install it (apt-get install -y redis-server)")
+    return binary
+
+
+def start_redis(
+    workdir: Path,
+    persistence: bool = False,
+    *,
+    host: str = "127.0.0.1",
+    netns: str | None = None,
+    port: int | None = None,
+    extra: list[str] | None = None,
+) -> RedisServer:
+    """redis-server on a free port (or ``port``), optionally inside network namespace
+    ``netns`` listening on ``host``. ``persistence`` turns on the AOF (fsync every second)."""
+    binary = _redis_binary()
     workdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = port or free_port()
     argv = [
+        *netns_prefix(netns),
         binary,
         "--port",
         str(port),
         "--bind",
-        "127.0.0.1",
+        host,
         "--dir",
         str(workdir),
         "--save",
@@ -115,8 +149,11 @@ def start_redis(workdir: Path, persistence: bool = False) -> RedisServer:
         "no",
         "--daemonize",
         "no",
+        *(extra or []),
     ]
-    server = RedisServer(argv=argv, port=port, log_path=workdir / "redis.log", dir=workdir)
+    server = RedisServer(
+        argv=argv, port=port, log_path=workdir / "redis.log", dir=workdir, host=host
+    )
     return server.start()  # type: ignore[return-value]
 
 
@@ -124,18 +161,21 @@ def start_redis(workdir: Path, persistence: bool = False) -> RedisServer:
 class MotoServer(ServerProcess):
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def store_url(self, bucket: str = "kvcloud", prefix: str = "segments") -> str:
         return f"s3://{bucket}/{prefix}?endpoint_url={self.endpoint}&region=us-east-1"
 
 
-def start_moto(workdir: Path) -> MotoServer:
+def start_moto(
+    workdir: Path, *, host: str = "127.0.0.1", netns: str | None = None, port: int | None = None
+) -> MotoServer:
+    """moto_server on a free port (or ``port``); in-memory, so a restart loses every bucket."""
     workdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = port or free_port()
     exe = Path(sys.executable).with_name("moto_server")
-    argv = [str(exe), "-H", "127.0.0.1", "-p", str(port)]
-    server = MotoServer(argv=argv, port=port, log_path=workdir / "moto.log")
+    argv = [*netns_prefix(netns), str(exe), "-H", host, "-p", str(port)]
+    server = MotoServer(argv=argv, port=port, log_path=workdir / "moto.log", host=host)
     return server.start()  # type: ignore[return-value]
 
 
@@ -146,3 +186,150 @@ def s3_env(endpoint: str) -> dict[str, str]:
         "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_DEFAULT_REGION": "us-east-1",
     }
+
+
+# -- Redis Cluster ----------------------------------------------------------------------------
+
+
+@dataclass
+class RedisClusterServers:
+    """A local Redis Cluster: one redis-server per master, slots split evenly."""
+
+    nodes: list[RedisServer]
+
+    @property
+    def startup(self) -> str:
+        return ",".join(f"{n.host}:{n.port}" for n in self.nodes)
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://{self.startup}"
+
+    def flushall(self) -> None:
+        """Empty every master (each holds the keys of its own slots)."""
+        import redis
+
+        for node in self.nodes:
+            client = redis.Redis(host=node.host, port=node.port, socket_timeout=5)
+            try:
+                client.flushall()
+            finally:
+                client.close()
+
+    def keys_per_node(self, pattern: str = "*") -> list[int]:
+        """How many keys matching ``pattern`` each master holds (to check keys spread)."""
+        import redis
+
+        counts = []
+        for node in self.nodes:
+            client = redis.Redis(host=node.host, port=node.port, socket_timeout=5)
+            try:
+                counts.append(len(set(client.scan_iter(match=pattern, count=1000))))
+            finally:
+                client.close()
+        return counts
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+def _redis_major_version() -> int:
+    out = subprocess.run(
+        [_redis_binary(), "--version"], capture_output=True, text=True, timeout=10
+    ).stdout
+    for word in out.split():
+        if word.startswith("v="):
+            return int(word[2:].split(".")[0])
+    return 0
+
+
+def _free_port_with_bus(offset: int = 10000) -> int:
+    """A free port whose cluster bus port (port + offset) is free too."""
+    for _ in range(200):
+        port = free_port()
+        if port + offset > 65535:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port + offset))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
+def _cluster_state_ok(host: str, port: int) -> bool:
+    import redis
+
+    client = redis.Redis(host=host, port=port, socket_timeout=2)
+    try:
+        info = client.execute_command("CLUSTER", "INFO")
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    return "cluster_state:ok" in text
+
+
+def start_redis_cluster(
+    workdir: Path, masters: int = 3, timeout: float = 30.0
+) -> RedisClusterServers:
+    """``masters`` redis-server processes in cluster mode on free ports, joined with
+    ``redis-cli --cluster create`` (no replicas); returns once every node says
+    ``cluster_state:ok``. Stops what it started if anything fails."""
+    cli = _redis_binary("redis-cli")
+    nodes: list[RedisServer] = []
+    try:
+        modern = _redis_major_version() >= 7
+        for i in range(masters):
+            node_dir = workdir / f"node{i}"
+            if modern:
+                # the cluster bus port is chosen too: port + 10000 may well be taken
+                port, bus = free_port(), ["--cluster-port", str(free_port())]
+            else:  # Redis 6 has no cluster-port: the bus is always port + 10000
+                port, bus = _free_port_with_bus(), []
+            nodes.append(
+                start_redis(
+                    node_dir,
+                    port=port,
+                    extra=[
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        str(node_dir / "nodes.conf"),
+                        "--cluster-node-timeout",
+                        "5000",
+                        *bus,
+                    ],
+                )
+            )
+        create = subprocess.run(
+            [
+                cli,
+                "--cluster",
+                "create",
+                *(f"{n.host}:{n.port}" for n in nodes),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if create.returncode != 0:
+            raise RuntimeError(
+                f"redis-cli --cluster create failed:\n{create.stdout}{create.stderr}"
+            )
+        deadline = time.monotonic() + timeout
+        while not all(_cluster_state_ok(n.host, n.port) for n in nodes):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cluster not ok after {timeout}s")
+            time.sleep(0.1)
+    except BaseException:
+        for node in nodes:
+            node.stop()
+        raise
+    return RedisClusterServers(nodes)

@@ -32,6 +32,7 @@ from kvcloud.namespace import (
     next_fingerprint,
     tokens_array,
 )
+from kvcloud.stores import open_store
 
 from .config import WorkerOptions
 from .costmodel import CostModel
@@ -174,8 +175,16 @@ class Engine:
         self.cost = CostModel(self.cfg, self.c, enabled=options.cost_model)
         self._prober = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcloud-probe")
         if options.store:
+            # --remote-timeout bounds a request's wait on the store: botocore would retry a
+            # timed-out read up to 5 times, so the request path gets at most two attempts
+            store = open_store(
+                options.store,
+                connect_timeout=options.remote_timeout,
+                read_timeout=options.remote_timeout,
+                max_attempts=2,
+            )
             self.kv = KVCloud.open(
-                store=options.store,
+                store=store,
                 index=options.index,
                 secret=self._secret,
                 connect_timeout=options.remote_timeout,

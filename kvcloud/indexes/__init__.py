@@ -11,9 +11,11 @@ from .base import DEFAULT_TTL_SECONDS, EntryRecord, Index, IndexEntry
 from .sqlite import SQLiteIndex
 
 if TYPE_CHECKING:
+    from .cluster import RedisClusterIndex
     from .redis import RedisIndex
 
-KNOWN_SCHEMES = ("sqlite", "redis", "rediss")
+KNOWN_SCHEMES = ("sqlite", "redis", "rediss", "redis+cluster", "rediss+cluster")
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 
 
 def _redis_module() -> Any:
@@ -25,6 +27,13 @@ def _redis_module() -> Any:
             raise
         raise ConfigError("a redis:// index needs redis-py: pip install kvcloud[redis]") from None
     return redis_index
+
+
+def _cluster_module() -> Any:
+    _redis_module()  # the same optional extra, with the same message when it is missing
+    from . import cluster as cluster_index
+
+    return cluster_index
 
 
 def _sqlite_path(netloc: str, path: str) -> str:
@@ -46,7 +55,9 @@ def open_index(
 
     ``sqlite:///abs/path.db`` or ``sqlite://relative/path.db`` (options: ``busy_timeout``,
     ``ttl``); ``redis://[user:password@]host:port/db`` or ``rediss://…`` (options:
-    ``prefix``, ``ttl``). A ``ttl`` in the URL overrides ``ttl_seconds``.
+    ``prefix``, ``ttl``); ``redis+cluster://[user:password@]host:port[,host:port…]`` or
+    ``rediss+cluster://…`` for a Redis Cluster (same options; the hosts are startup nodes).
+    A ``ttl`` in the URL overrides ``ttl_seconds``.
     """
     scheme, netloc, path, options = split_url(url)
     if scheme == "sqlite":
@@ -65,6 +76,13 @@ def open_index(
             socket_connect_timeout=connect_timeout,
             socket_timeout=read_timeout,
         )
+    if scheme in CLUSTER_SCHEMES:
+        return _cluster_module().RedisClusterIndex(
+            url,
+            ttl_seconds,
+            socket_connect_timeout=connect_timeout,
+            socket_timeout=read_timeout,
+        )
     raise ConfigError(
         f"unknown index URL scheme {scheme!r} in {redact_url(url)!r}; known: "
         + ", ".join(f"{s}://" for s in KNOWN_SCHEMES)
@@ -74,6 +92,8 @@ def open_index(
 def __getattr__(name: str) -> Any:
     if name == "RedisIndex":
         return _redis_module().RedisIndex
+    if name == "RedisClusterIndex":
+        return _cluster_module().RedisClusterIndex
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -83,6 +103,7 @@ __all__ = [
     "EntryRecord",
     "Index",
     "IndexEntry",
+    "RedisClusterIndex",
     "RedisIndex",
     "SQLiteIndex",
     "open_index",

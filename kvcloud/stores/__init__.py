@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from typing import Any
 from urllib.parse import unquote
 
 from ..config import _env_bool, redact_url, split_url
@@ -24,6 +25,7 @@ def open_store(
     connect_timeout: float = 2.0,
     read_timeout: float = 10.0,
     fsync: bool = False,
+    max_attempts: int | None = None,
 ) -> ObjectStore:
     """Open the store a URL names (DESIGN §6).
 
@@ -54,11 +56,15 @@ def open_store(
                 raise ConfigError(f"{redact_url(url)!r}: fsync: {exc}") from None
         return FileStore(root, fsync=fsync, max_workers=max_workers)
     if scheme == "s3":
-        defaults = {
+        defaults: dict[str, Any] = {
             "max_connections": max_workers,
             "connect_timeout": connect_timeout,
             "read_timeout": read_timeout,
         }
+        if max_attempts is not None:
+            # callers with a latency budget (a worker's request path) cap retries: each
+            # attempt may take a full read timeout
+            defaults["max_attempts"] = max_attempts
         # from_url's keyword overrides beat the query; pass only what the URL leaves unset.
         overrides = {k: v for k, v in defaults.items() if k not in query}
         return S3Store(S3Config.from_url(url, **overrides))

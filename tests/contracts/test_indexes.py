@@ -13,6 +13,7 @@ from kvcloud.errors import ConfigError
 from kvcloud.indexes import IndexEntry, RedisIndex, SQLiteIndex, open_index
 from kvcloud.indexes.base import DEFAULT_TTL_SECONDS, Index
 from tests.contracts.index_contract import IndexContract, IndexFactory
+from tests.servers import RedisClusterServers, start_redis_cluster
 
 
 class TestSQLiteIndex(IndexContract):
@@ -88,6 +89,36 @@ class TestPipelinedRedisIndex(IndexContract):
 
         def factory(ttl_seconds: int = DEFAULT_TTL_SECONDS) -> Index:
             idx = PipelinedRedisIndex(redis_url, ttl_seconds)
+            opened.append(idx)
+            return idx
+
+        yield factory
+        for idx in opened:
+            idx.close()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterServers]:
+    """A local 3-master Redis Cluster (redis-server --cluster-enabled + redis-cli --cluster
+    create), for this module's tests."""
+    servers = start_redis_cluster(tmp_path_factory.mktemp("redis-cluster"))
+    yield servers
+    servers.stop()
+
+
+@pytest.mark.integration
+class TestRedisClusterIndex(IndexContract):
+    """The same contract on a real cluster: entry keys spread over three masters' slots."""
+
+    @pytest.fixture
+    def make_index(self, redis_cluster: RedisClusterServers) -> Iterator[IndexFactory]:
+        from kvcloud.indexes.cluster import RedisClusterIndex
+
+        redis_cluster.flushall()
+        opened: list[Index] = []
+
+        def factory(ttl_seconds: int = DEFAULT_TTL_SECONDS) -> Index:
+            idx = RedisClusterIndex(redis_cluster.url, ttl_seconds)
             opened.append(idx)
             return idx
 
