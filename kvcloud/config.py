@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,31 @@ def _env_bool(value: str) -> bool:
     raise ConfigError(f"expected a boolean, got {value!r}")
 
 
+def env_values(cls: Any, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Values for a dataclass from the environment variables named in its fields' metadata
+    (``metadata={"env": NAME}``), converted by field type; a bad value is a ConfigError that
+    names the variable."""
+    source = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for f in fields(cls):
+        name = f.metadata.get("env")
+        raw = source.get(name) if name else None
+        if not raw:
+            continue
+        try:
+            if f.type in ("bool", bool):
+                values[f.name] = _env_bool(raw)
+            elif f.type in ("int", int):
+                values[f.name] = int(raw)
+            elif f.type in ("float", float):
+                values[f.name] = float(raw)
+            else:
+                values[f.name] = raw
+        except ValueError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
+    return values
+
+
 @dataclass
 class KVCloudConfig:
     """Client configuration. ``from_env`` reads the variable named in each field's metadata."""
@@ -109,25 +135,9 @@ class KVCloudConfig:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> KVCloudConfig:
-        env = dict(os.environ if env is None else env)
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            name = f.metadata.get("env")
-            if name and env.get(name):
-                raw = env[name]
-                try:
-                    if f.name == "secret":
-                        values[f.name] = raw.encode("utf-8")
-                    elif f.type in ("int", int):
-                        values[f.name] = int(raw)
-                    elif f.type in ("float", float):
-                        values[f.name] = float(raw)
-                    elif f.type in ("bool", bool):
-                        values[f.name] = _env_bool(raw)
-                    else:
-                        values[f.name] = raw
-                except ValueError as exc:
-                    raise ConfigError(f"{name}: {exc}") from None
+        values = env_values(cls, env)
+        if "secret" in values:
+            values["secret"] = values["secret"].encode("utf-8")
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 

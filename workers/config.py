@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
+
+from kvcloud.config import env_values
 
 from .auth import ApiKeys, load_api_keys
 
@@ -99,19 +101,6 @@ class WorkerOptions:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> WorkerOptions:
-        env = dict(os.environ if env is None else env)
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            name = f.metadata.get("env")
-            if name and env.get(name):
-                raw = env[name]
-                if f.type in ("bool", bool):
-                    values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
-                elif f.type in ("int", int):
-                    values[f.name] = int(raw)
-                elif f.type in ("float", float):
-                    values[f.name] = float(raw)
-                else:
-                    values[f.name] = raw
+        values = env_values(cls, env)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

@@ -359,6 +359,13 @@ class S3Store(ObjectStore):
             )
         return StoreError(f"{what}: {type(exc).__name__}: {exc}")
 
+    def _not_found(self, exc: Any) -> bool:
+        """The key is absent (a missing bucket is a configuration error, not a miss)."""
+        code, status = self._status(exc)
+        return code in ("NoSuchKey", "404", "NotFound") or (
+            status == 404 and code != "NoSuchBucket"
+        )
+
     @staticmethod
     def _status(exc: Exception) -> tuple[str, int]:
         response = getattr(exc, "response", None) or {}
@@ -431,10 +438,7 @@ class S3Store(ObjectStore):
                 # IncompleteReadError instead of returning short data.
                 return body.read()
         except ClientError as exc:
-            code, status = self._status(exc)
-            if code in ("NoSuchKey", "404", "NotFound") or (
-                status == 404 and code != "NoSuchBucket"
-            ):
+            if self._not_found(exc):
                 raise ObjectNotFoundError(f"{key!r} not found in {self.url}") from None
             raise self._error("get", key, exc) from exc
         except BotoCoreError as exc:
@@ -454,10 +458,7 @@ class S3Store(ObjectStore):
                 MetadataDirective="REPLACE",
             )
         except ClientError as exc:
-            code, status = self._status(exc)
-            if code in ("NoSuchKey", "404", "NotFound") or (
-                status == 404 and code != "NoSuchBucket"
-            ):
+            if self._not_found(exc):
                 return False
             raise self._error("touch", key, exc) from exc
         except BotoCoreError as exc:
@@ -471,10 +472,7 @@ class S3Store(ObjectStore):
         try:
             response = self._client.get_object(Bucket=self.config.bucket, Key=s3_key)
         except ClientError as exc:
-            code, status = self._status(exc)
-            if code in ("NoSuchKey", "404", "NotFound") or (
-                status == 404 and code != "NoSuchBucket"
-            ):
+            if self._not_found(exc):
                 raise ObjectNotFoundError(f"{key!r} not found in {self.url}") from None
             raise self._error("get", key, exc) from exc
         except BotoCoreError as exc:
