@@ -1,0 +1,185 @@
+#!/usr/bin/env bash
+# The kvcloud stack without Docker: redis-server (infra/redis/redis.conf), moto_server as the
+# S3 endpoint, and two workers. PIDs, logs and data go to a state directory; stop.sh stops it.
+#
+#   infra/local/start.sh && source .kvcloud-local/env && kvcloud stats
+#
+# Settings (environment):
+#   KVCLOUD_LOCAL_STATE        state directory               (default: <repo>/.kvcloud-local)
+#   KVCLOUD_LOCAL_VENV         virtualenv with kvcloud       (default: <repo>/.venv)
+#   KVCLOUD_LOCAL_REDIS_PORT   redis-server port             (default: 6379)
+#   KVCLOUD_LOCAL_S3_PORT      moto_server port              (default: 9000)
+#   KVCLOUD_LOCAL_WORKER1_PORT first worker's port           (default: 8001)
+#   KVCLOUD_LOCAL_WORKER2_PORT second worker's port          (default: 8002)
+#   KVCLOUD_LOCAL_BUCKET       bucket                        (default: kvcloud)
+#   KVCLOUD_LOCAL_TIMEOUT      seconds to wait for health    (default: 120)
+#   KVCLOUD_WORKER_MODEL       worker model preset           (default: small)
+#   KVCLOUD_SECRET             master secret (default: a random one, kept in the state dir)
+#   other KVCLOUD_* worker variables (KVCLOUD_CACHE_PAGES, …) pass through to the workers.
+#
+# moto_server keeps objects in memory, so each start begins with an empty bucket and an
+# empty index (a Redis index pointing at objects that are gone would only produce misses).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+STATE="${KVCLOUD_LOCAL_STATE:-$ROOT/.kvcloud-local}"
+VENV="${KVCLOUD_LOCAL_VENV:-$ROOT/.venv}"
+REDIS_PORT="${KVCLOUD_LOCAL_REDIS_PORT:-6379}"
+S3_PORT="${KVCLOUD_LOCAL_S3_PORT:-9000}"
+WORKER1_PORT="${KVCLOUD_LOCAL_WORKER1_PORT:-8001}"
+WORKER2_PORT="${KVCLOUD_LOCAL_WORKER2_PORT:-8002}"
+BUCKET="${KVCLOUD_LOCAL_BUCKET:-kvcloud}"
+TIMEOUT="${KVCLOUD_LOCAL_TIMEOUT:-120}"
+MODEL="${KVCLOUD_WORKER_MODEL:-small}"
+PY="$VENV/bin/python"
+
+die() {
+    echo "start.sh: $*" >&2
+    exit 1
+}
+
+[[ -x "$PY" ]] || die "no virtualenv at $VENV (run 'make install', or set KVCLOUD_LOCAL_VENV)"
+[[ -x "$VENV/bin/moto_server" ]] || die "moto_server not in $VENV (run 'make install')"
+[[ -x "$VENV/bin/kvcloud-worker" ]] || die "kvcloud-worker not in $VENV (run 'make install')"
+REDIS_SERVER="$(command -v redis-server)" \
+    || die "redis-server not found (apt-get install -y redis-server)"
+
+mkdir -p "$STATE/logs" "$STATE/pids"
+STATE="$(cd "$STATE" && pwd)"
+
+# A pid file whose process is alive means the stack (or part of it) already runs.
+running=0
+for pidfile in "$STATE"/pids/*.pid; do
+    [[ -e "$pidfile" ]] || continue
+    if kill -0 "$(cat "$pidfile")" 2>/dev/null; then
+        running=$((running + 1))
+    fi
+done
+if ((running > 0)); then
+    die "already running ($running processes, state in $STATE); stop it with infra/local/stop.sh"
+fi
+rm -f "$STATE"/pids/*.pid
+
+port_free() {
+    ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
+}
+for port in "$REDIS_PORT" "$S3_PORT" "$WORKER1_PORT" "$WORKER2_PORT"; do
+    port_free "$port" || die "port $port is in use (override with KVCLOUD_LOCAL_*_PORT)"
+done
+
+# If anything below fails, stop what was started.
+cleanup_on_error() {
+    echo "start.sh: failed; stopping what was started (logs in $STATE/logs)" >&2
+    KVCLOUD_LOCAL_STATE="$STATE" "$ROOT/infra/local/stop.sh" >&2 || true
+}
+trap cleanup_on_error ERR
+
+# start NAME CMD...: run CMD in the background with its log and pid file in the state dir
+start() {
+    local name="$1"
+    shift
+    nohup "$@" >"$STATE/logs/$name.log" 2>&1 </dev/null &
+    echo "$!" >"$STATE/pids/$name.pid"
+}
+
+# wait_for NAME CHECK...: until CHECK succeeds, failing if NAME's process exits or time runs out
+wait_for() {
+    local name="$1"
+    shift
+    local pid deadline=$((SECONDS + TIMEOUT))
+    pid="$(cat "$STATE/pids/$name.pid")"
+    until "$@" 2>/dev/null; do
+        if ! kill -0 "$pid" 2>/dev/null; then
+            tail -n 20 "$STATE/logs/$name.log" >&2 || true
+            echo "start.sh: $name exited during startup" >&2
+            return 1
+        fi
+        if ((SECONDS >= deadline)); then
+            echo "start.sh: $name not ready after ${TIMEOUT}s (log: $STATE/logs/$name.log)" >&2
+            return 1
+        fi
+        sleep 0.2
+    done
+}
+
+port_open() {
+    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
+}
+
+http_ok() {
+    "$PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' "$1"
+}
+
+# --- redis ------------------------------------------------------------------------------------
+rm -rf "$STATE/redis"
+mkdir -p "$STATE/redis"
+start redis "$REDIS_SERVER" "$ROOT/infra/redis/redis.conf" \
+    --port "$REDIS_PORT" --bind 127.0.0.1 --dir "$STATE/redis" --daemonize no
+wait_for redis port_open "$REDIS_PORT"
+
+# --- S3 (moto_server) -------------------------------------------------------------------------
+start s3 "$VENV/bin/moto_server" -H 127.0.0.1 -p "$S3_PORT"
+wait_for s3 port_open "$S3_PORT"
+
+S3_ENDPOINT="http://127.0.0.1:$S3_PORT"
+export AWS_ACCESS_KEY_ID="${AWS_ACCESS_KEY_ID:-testing}"
+export AWS_SECRET_ACCESS_KEY="${AWS_SECRET_ACCESS_KEY:-testing}"
+"$PY" - "$S3_ENDPOINT" "$BUCKET" <<'PYEOF'
+import sys
+
+import boto3
+
+s3 = boto3.client("s3", endpoint_url=sys.argv[1], region_name="us-east-1")
+s3.create_bucket(Bucket=sys.argv[2])
+PYEOF
+
+# --- environment shared by the workers and printed for the user --------------------------------
+SECRET_FILE="$STATE/secret"
+if [[ -z "${KVCLOUD_SECRET:-}" ]]; then
+    if [[ ! -s "$SECRET_FILE" ]]; then
+        (umask 077 && "$PY" -c 'import secrets; print(secrets.token_hex(32))' >"$SECRET_FILE")
+    fi
+    KVCLOUD_SECRET="$(cat "$SECRET_FILE")"
+fi
+export KVCLOUD_SECRET
+export KVCLOUD_STORE="s3://$BUCKET/segments?endpoint_url=$S3_ENDPOINT&region=us-east-1"
+export KVCLOUD_INDEX="redis://127.0.0.1:$REDIS_PORT/0"
+export KVCLOUD_WORKER_MODEL="$MODEL"
+
+(
+    umask 077
+    cat >"$STATE/env" <<ENVEOF
+# source this file to point kvcloud (make demo, kvcloud stats, …) at the local stack
+export KVCLOUD_STORE='$KVCLOUD_STORE'
+export KVCLOUD_INDEX='$KVCLOUD_INDEX'
+export KVCLOUD_SECRET='$KVCLOUD_SECRET'
+export AWS_ACCESS_KEY_ID='$AWS_ACCESS_KEY_ID'
+export AWS_SECRET_ACCESS_KEY='$AWS_SECRET_ACCESS_KEY'
+ENVEOF
+)
+
+# --- workers ----------------------------------------------------------------------------------
+start worker1 env KVCLOUD_WORKER_ID=local-1 \
+    "$VENV/bin/kvcloud-worker" serve --host 127.0.0.1 --port "$WORKER1_PORT"
+start worker2 env KVCLOUD_WORKER_ID=local-2 \
+    "$VENV/bin/kvcloud-worker" serve --host 127.0.0.1 --port "$WORKER2_PORT"
+wait_for worker1 http_ok "http://127.0.0.1:$WORKER1_PORT/healthz"
+wait_for worker2 http_ok "http://127.0.0.1:$WORKER2_PORT/healthz"
+
+trap - ERR
+
+cat <<INFO
+kvcloud local stack is up (model $MODEL; state, logs and pids in $STATE)
+  worker 1  http://127.0.0.1:$WORKER1_PORT   (/healthz, /metrics, /v1/completions)
+  worker 2  http://127.0.0.1:$WORKER2_PORT
+  S3        $S3_ENDPOINT   (moto_server, in memory; bucket $BUCKET)
+  Redis     redis://127.0.0.1:$REDIS_PORT/0
+Point kvcloud at it (make demo, kvcloud stats, …):
+  source $STATE/env
+or:
+  export KVCLOUD_STORE='$KVCLOUD_STORE'
+  export KVCLOUD_INDEX='$KVCLOUD_INDEX'
+  export AWS_ACCESS_KEY_ID='$AWS_ACCESS_KEY_ID' AWS_SECRET_ACCESS_KEY='$AWS_SECRET_ACCESS_KEY'
+  export KVCLOUD_SECRET=…   (the value is in $STATE/env)
+Stop it with: infra/local/stop.sh
+INFO
