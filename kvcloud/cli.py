@@ -1,4 +1,4 @@
-"""The ``kvcloud`` command line: estimate, stats, ls, inspect, verify, gc, bench.
+"""The ``kvcloud`` command line: estimate, stats, ls, inspect, verify, gc, bench, doctor.
 
 Every command takes ``--json`` for scripts. Backend commands take ``--store``/``--index``
 (default: KVCLOUD_STORE / KVCLOUD_INDEX). Errors print one line, never a traceback.
@@ -174,6 +174,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
             result["store"] = store.url
         result["objects"] = objects
         result["object_bytes"] = obj_bytes
+    if args.prometheus:
+        sys.stdout.write(prometheus_stats(result))
+        return 0
     if args.json:
         _emit_json(result)
         return 0
@@ -198,6 +201,39 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if counters:
         console.print("counters  " + "  ".join(f"{k}={v:,}" for k, v in sorted(counters.items())))
     return 0
+
+
+def prometheus_stats(result: dict[str, Any]) -> str:
+    """Store-wide figures from ``cmd_stats``'s result in Prometheus text format, for a
+    textfile collector or a cron job that pushes them (the figures need a full scan, so this
+    is not something to run on every scrape)."""
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+    registry = CollectorRegistry()
+
+    def gauge(name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
+        return Gauge(name, doc, list(labels), registry=registry)
+
+    entries = gauge("kvcloud_index_entries", "Index entries per namespace", ["ns"])
+    entry_bytes = gauge("kvcloud_index_entry_bytes", "Bytes the index entries reference", ["ns"])
+    tokens = gauge("kvcloud_index_entry_tokens", "Tokens the index entries cover", ["ns"])
+    for ns, d in result["namespaces"].items():
+        entries.labels(ns=ns).set(d["entries"])
+        entry_bytes.labels(ns=ns).set(d["bytes"])
+        tokens.labels(ns=ns).set(d["tokens"])
+    gauge("kvcloud_index_sessions", "Session records in the index").set(result["sessions"])
+    # Index counters are monotonic in the index, but this process only reads a snapshot of
+    # them, so they are gauges; rate()/deriv() over successive snapshots still works.
+    counter = gauge("kvcloud_index_counter", "Cumulative counters kept in the index", ["name"])
+    for name, value in result["counters"].items():
+        counter.labels(name=name).set(value)
+    if "objects" in result:
+        gauge("kvcloud_store_objects", "Objects in the store").set(result["objects"])
+        gauge("kvcloud_store_bytes", "Bytes of the objects in the store").set(
+            result["object_bytes"]
+        )
+    gauge("kvcloud_stats_timestamp_seconds", "When these figures were collected").set(time.time())
+    return generate_latest(registry).decode("utf-8")
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -455,6 +491,30 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- doctor --------------------------------------------------------------------------------
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import FAIL, WARN, run_doctor
+
+    cfg = _config(args)
+    # Neither flag given: check both configured backends. One given: only that side.
+    both = args.store is None and args.index is None
+    store_url = cfg.store if both or args.store is not None else None
+    index_url = cfg.index if both or args.index is not None else None
+    checks = run_doctor(store_url, index_url, cfg)
+    failed = any(c.status == FAIL for c in checks)
+    if args.json:
+        _emit_json({"ok": not failed, "checks": [c.to_dict() for c in checks]})
+    else:
+        colors = {FAIL: "red", WARN: "yellow"}
+        console = Console(highlight=False, soft_wrap=True)
+        for c in checks:
+            color = colors.get(c.status, "green")
+            console.print(f"[{color}]{c.status:4}[/{color}] " + c.line()[5:], markup=True)
+    return 1 if failed else 0
+
+
 # --- bench ---------------------------------------------------------------------------------
 
 
@@ -594,6 +654,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("stats", help="entries, bytes, sessions and counters")
     backend(s)
     s.add_argument("--no-store", action="store_true", help="skip listing the object store")
+    s.add_argument(
+        "--prometheus", action="store_true", help="print the figures in Prometheus text format"
+    )
     s.set_defaults(func=cmd_stats)
 
     ls = sub.add_parser("ls", help="list index entries")
@@ -646,6 +709,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--dry-run", action="store_true", help="change nothing, report what would")
     g.set_defaults(func=cmd_gc)
+
+    doc = sub.add_parser(
+        "doctor", help="check the store and index end to end and say what to fix (exit 1 on FAIL)"
+    )
+    backend(doc)
+    doc.set_defaults(func=cmd_doctor)
 
     bench = sub.add_parser("bench", help="benchmarks against your own deployment")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

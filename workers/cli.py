@@ -177,13 +177,10 @@ class _Server(uvicorn.Server):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .server import create_app
+    from .server import configure_logging, create_app
 
     options = options_from_args(args)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.log_level, args.log_format)
     sock = _listen(args.host, args.port)
     try:
         engine = build_engine(options)
@@ -206,6 +203,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = uvicorn.Config(
         create_app(engine),
+        # None: uvicorn installs no handlers of its own, so its records (access log too)
+        # reach the root handler and share the chosen format.
+        log_config=None,
         log_level=args.log_level,
         access_log=not args.no_access_log,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
@@ -229,6 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8001, help="0 picks a free port (default 8001)")
     s.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     s.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    s.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=os.environ.get("KVCLOUD_LOG_FORMAT", "text"),
+        help="text, or json: one object per line with ts, level, logger, msg, request_id "
+        "(default $KVCLOUD_LOG_FORMAT or text)",
+    )
     add_engine_flags(s)
     s.set_defaults(func=cmd_serve)
 

@@ -135,6 +135,61 @@ class Metrics:
         self.bandwidth = Gauge(
             "kvcloud_worker_store_bandwidth_bytes", "Learnt pull bandwidth (bytes/s)", registry=r
         )
+        # Latencies of the three remote operations: lookups sit on every request's critical
+        # path, pulls replace prefill, pushes run in the background (and on flush).
+        self.lookup_seconds = Histogram(
+            "kvcloud_worker_lookup_seconds",
+            "Index lookup of a prompt's chunks (one round trip)",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 2.5),
+            registry=r,
+        )
+        self.pull_seconds = Histogram(
+            "kvcloud_worker_pull_seconds",
+            "Parallel pull of matched chunks into pages",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r,
+        )
+        self.push_seconds = Histogram(
+            "kvcloud_worker_push_seconds",
+            "Push of chunks (uploader pages and session flushes)",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r,
+        )
+        self.pulled_bytes = Counter(
+            "kvcloud_worker_pulled_bytes", "Bytes of verified objects pulled", registry=r
+        )
+        self.pushed_bytes = Counter(
+            "kvcloud_worker_pushed_bytes",
+            "Bytes of new objects written (uploader and flushes)",
+            registry=r,
+        )
+        self.pull_failures = Counter(
+            "kvcloud_worker_pull_failures",
+            "Matched chunks that could not be pulled, by reason (missing, corrupt, unavailable)",
+            ["reason"],
+            registry=r,
+        )
+        self.verify_failures = Counter(
+            "kvcloud_worker_verify_failures",
+            "Pulled objects that failed verification (digest, header, decode) and were dropped",
+            registry=r,
+        )
+
+
+class _TimedPushes:
+    """What the uploader sees as its client: the engine's KVCloud with push_chunks timed, so
+    push latency is measured where the uploader spends it without changing the uploader."""
+
+    def __init__(self, kv: KVCloud, metrics: Metrics) -> None:
+        self._kv = kv
+        self._metrics = metrics
+
+    def push_chunks(self, *args: Any, **kwargs: Any) -> Any:
+        with self._metrics.push_seconds.time():
+            return self._kv.push_chunks(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._kv, name)
 
 
 class Engine:
@@ -192,7 +247,12 @@ class Engine:
             )
             self.kv.store.prewarm()
             if options.write_policy != "off":
-                self.uploader = Uploader(self.kv, self.ns, options.upload_queue, self._on_upload)
+                self.uploader = Uploader(
+                    _TimedPushes(self.kv, self.metrics),  # type: ignore[arg-type]
+                    self.ns,
+                    options.upload_queue,
+                    self._on_upload,
+                )
         self._calibrate()
         self._update_gauges()
         log.info(
@@ -221,6 +281,7 @@ class Engine:
         self.metrics.uploads.labels(result).inc()
         if nbytes:
             self.metrics.upload_bytes.inc(nbytes)
+            self.metrics.pushed_bytes.inc(nbytes)
         if self.uploader is not None:
             self.metrics.queue_depth.set(self.uploader.depth)
 
@@ -370,7 +431,8 @@ class Engine:
         if self.kv is None or i >= len(fps):
             return
         parent = fps[i - 1] if i else self.ns.digest
-        m = self.kv.lookup_fingerprints(self.ns, fps[i:], tenant, start=i, parent=parent)
+        with self.metrics.lookup_seconds.time():
+            m = self.kv.lookup_fingerprints(self.ns, fps[i:], tenant, start=i, parent=parent)
         if not m.chunks:
             return
         sizes = [ref.entry.size or self.ns.chunk_bytes for ref in m.chunks]
@@ -418,14 +480,30 @@ class Engine:
     def _pull(self, m: Any, pages: list[int]) -> tuple[int, int]:
         """Pull matched chunks into pages; returns (leading valid chunks, bytes pulled)."""
         assert self.kv is not None
+        t0 = time.perf_counter()
         if self.device.type == "cpu":
             res = self.kv.pull_into(m, [self.pool.host_view(p) for p in pages])
-            return res.chunks, res.bytes
-        staging = [np.empty(self.ns.kv_shape(self.c), self.ns.dtype_info.storage) for _ in pages]
-        res = self.kv.pull_into(m, staging)
-        for j in range(res.chunks):
-            self.pool.from_host(pages[j], staging[j])
+        else:
+            staging = [
+                np.empty(self.ns.kv_shape(self.c), self.ns.dtype_info.storage) for _ in pages
+            ]
+            res = self.kv.pull_into(m, staging)
+            for j in range(res.chunks):
+                self.pool.from_host(pages[j], staging[j])
+        self._observe_pull(res, time.perf_counter() - t0)
         return res.chunks, res.bytes
+
+    def _observe_pull(self, res: Any, elapsed: float) -> None:
+        m = self.metrics
+        m.pull_seconds.observe(elapsed)
+        if res.bytes:
+            m.pulled_bytes.inc(res.bytes)
+        for _position, reason in res.failures:
+            # the client's reasons: "missing", "unavailable", "corrupt:<ErrorClass>"
+            kind = reason.split(":", 1)[0]
+            m.pull_failures.labels(kind).inc()
+            if kind == "corrupt":
+                m.verify_failures.inc()
 
     def _restore_session(self, session_id: str, tenant: str) -> tuple[LocalSession, int, int]:
         """Load a session another worker flushed. Returns it with (local, remote) tokens."""
@@ -717,7 +795,10 @@ class Engine:
             parent = fps[j - 1] if j else self.ns.digest
             chunks.append((fps[j], parent, self._page_array(sess.slots[j].page)))
         try:
-            res = self.kv.push_chunks(self.ns, chunks, tenant=sess.tenant)
+            with self.metrics.push_seconds.time():
+                res = self.kv.push_chunks(self.ns, chunks, tenant=sess.tenant)
+            if res.bytes_written:
+                self.metrics.pushed_bytes.inc(res.bytes_written)
             tail_key = None
             if sess.kv_len % c:
                 parent = fps[-1] if fps else self.ns.digest
