@@ -22,12 +22,10 @@ from rich.table import Table
 from . import __version__
 from .config import KVCloudConfig
 from .errors import KVCloudError, ObjectNotFoundError
-from .indexes import open_index
 from .indexes.base import Index
 from .models import KV_SHAPES
 from .namespace import DTYPES
 from .segment import content_digest, digest_from_key, read_header
-from .stores import open_store
 from .stores.base import ObjectStore
 
 _FP_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -110,23 +108,11 @@ def _config(args: argparse.Namespace) -> KVCloudConfig:
 
 
 def _open_index(args: argparse.Namespace) -> Index:
-    cfg = _config(args)
-    return open_index(
-        cfg.index,
-        ttl_seconds=cfg.ttl_seconds,
-        connect_timeout=cfg.connect_timeout,
-        read_timeout=cfg.read_timeout,
-    )
+    return _config(args).open_index()
 
 
 def _open_store(args: argparse.Namespace) -> ObjectStore:
-    cfg = _config(args)
-    return open_store(
-        cfg.store,
-        max_workers=cfg.max_connections,
-        connect_timeout=cfg.connect_timeout,
-        read_timeout=cfg.read_timeout,
-    )
+    return _config(args).open_store()
 
 
 def _progress(enabled: bool) -> Progress:

@@ -39,7 +39,6 @@ from .errors import (
     SessionNotFoundError,
     StoreError,
 )
-from .indexes import open_index
 from .indexes.base import Index, IndexEntry
 from .namespace import (
     Namespace,
@@ -50,7 +49,6 @@ from .namespace import (
 )
 from .segment import decode_segment, digest_from_key, encode_segment, read_segment_into
 from .sessions import SessionRecord, pack_record, unpack_record
-from .stores import open_store
 from .stores.base import ObjectStore
 
 log = logging.getLogger("kvcloud.client")
@@ -153,28 +151,9 @@ class KVCloud(Closing):
         )
         if config is not None and secret is not None:
             cfg.secret = secret.encode() if isinstance(secret, str) else secret
-        st = (
-            store
-            if isinstance(store, ObjectStore)
-            else open_store(
-                cfg.store,
-                max_workers=cfg.max_connections,
-                connect_timeout=cfg.connect_timeout,
-                read_timeout=cfg.read_timeout,
-                fsync=cfg.fsync,
-            )
-        )
+        st = store if isinstance(store, ObjectStore) else cfg.open_store()
         try:
-            ix = (
-                index
-                if isinstance(index, Index)
-                else open_index(
-                    cfg.index,
-                    ttl_seconds=cfg.ttl_seconds,
-                    connect_timeout=cfg.connect_timeout,
-                    read_timeout=cfg.read_timeout,
-                )
-            )
+            ix = index if isinstance(index, Index) else cfg.open_index()
         except Exception:
             if not isinstance(store, ObjectStore):
                 st.close()

@@ -11,10 +11,14 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .indexes.base import Index
+    from .stores.base import ObjectStore
 
 log = logging.getLogger("kvcloud")
 
@@ -173,6 +177,29 @@ class KVCloudConfig:
     @property
     def insecure_secret(self) -> bool:
         return self.secret == INSECURE_DEFAULT_SECRET
+
+    def open_store(self) -> ObjectStore:
+        """The object store this configuration names, with its pool size and timeouts."""
+        from .stores import open_store  # the stores import this module
+
+        return open_store(
+            self.store,
+            max_workers=self.max_connections,
+            connect_timeout=self.connect_timeout,
+            read_timeout=self.read_timeout,
+            fsync=self.fsync,
+        )
+
+    def open_index(self) -> Index:
+        """The index this configuration names, with its TTL and timeouts."""
+        from .indexes import open_index
+
+        return open_index(
+            self.index,
+            ttl_seconds=self.ttl_seconds,
+            connect_timeout=self.connect_timeout,
+            read_timeout=self.read_timeout,
+        )
 
 
 def split_url(url: str) -> tuple[str, str, str, dict[str, str]]:

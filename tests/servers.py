@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 def free_port() -> int:
@@ -333,3 +334,67 @@ def start_redis_cluster(
             node.stop()
         raise
     return RedisClusterServers(nodes)
+
+
+class WorkerProcess:
+    """A ``kvcloud-worker serve`` process: started, health-checked and signalled like the
+    servers above. Test suites subclass it with the argv they need."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        log_path: Path,
+        port: int,
+        base_url: str,
+    ) -> None:
+        import httpx
+
+        self.name = name
+        self.argv = argv
+        self.env = env
+        self.log_path = log_path
+        self.port = port
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.client = httpx.Client(base_url=base_url, timeout=60)
+
+    def start(self, timeout: float = 60.0) -> Any:
+        import httpx
+
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited:\n{self.log_tail()}")
+            try:
+                if self.client.get("/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name} not ready:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def post(self, path: str, payload: dict[str, Any] | None = None, **kw: Any) -> Any:
+        return self.client.post(path, json=payload or {}, **kw)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode

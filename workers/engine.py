@@ -16,6 +16,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -446,7 +447,24 @@ class Engine:
             self.metrics.decisions.labels("restore").inc()
         if decision.chunks == 0:
             return
-        chunks = m.chunks[: decision.chunks]
+        attempted, ok, nbytes, elapsed = self._pull_new_pages(acq, m, m.chunks[: decision.chunks])
+        if not attempted:
+            return
+        # a pull that delivered nothing in that time (stalled, unreachable) teaches the model
+        # just as much as a fast one
+        self.cost.observe_pull(nbytes if ok else sum(sizes[:attempted]), elapsed)
+        if self.cost.bandwidth:
+            self.metrics.bandwidth.set(self.cost.bandwidth)
+        if ok < attempted:
+            self.metrics.fallbacks.inc(attempted - ok)
+
+    def _pull_new_pages(
+        self, acq: _Acquired, m: Any, chunks: Sequence[Any]
+    ) -> tuple[int, int, int, float]:
+        """Pull consecutive matched chunks that continue ``acq`` into newly allocated pages,
+        as many as the pool can give; share each valid page through the prefix cache (kept
+        private when another copy is cached already). Returns (chunks attempted, chunks
+        restored, bytes pulled, seconds)."""
         pages: list[int] = []
         try:
             for _ in chunks:
@@ -454,28 +472,23 @@ class Engine:
         except CacheFullError:
             pass  # restore what fits; the rest is recomputed
         if not pages:
-            return
-        sub = type(m)(m.ns, m.tenant, chunks[: len(pages)], m.prompt_chunks)
+            return 0, 0, 0, 0.0
+        sub = type(m)(m.ns, m.tenant, tuple(chunks[: len(pages)]), m.prompt_chunks)
         t0 = time.perf_counter()
-        res, nbytes = self._pull(sub, pages)
+        ok, nbytes = self._pull(sub, pages)
         elapsed = time.perf_counter() - t0
-        expected = sum(ref.entry.size or self.ns.chunk_bytes for ref in sub.chunks)
-        # a pull that delivered nothing in that time (stalled, unreachable) teaches the model
-        # just as much as a fast one
-        self.cost.observe_pull(nbytes if res else expected, elapsed)
-        if self.cost.bandwidth:
-            self.metrics.bandwidth.set(self.cost.bandwidth)
         for j, page in enumerate(pages):
-            if j < res:
-                ref = sub.chunks[j]
+            ref = sub.chunks[j]
+            if j >= ok:
+                self.pool.release(page)
+            elif ref.fp in self.prefix:
+                acq.slots.append(Slot(page, None))
+            else:
                 self.prefix.insert(ref.fp, ref.parent, page, stored=True, tenant=sub.tenant)
                 acq.slots.append(Slot(page, ref.fp))
-            else:
-                self.pool.release(page)
-        if res < len(sub.chunks):
-            self.metrics.fallbacks.inc(len(sub.chunks) - res)
-        acq.remote += res * self.c
-        acq.cached += res * self.c
+        acq.remote += ok * self.c
+        acq.cached += ok * self.c
+        return len(pages), ok, nbytes, elapsed
 
     def _pull(self, m: Any, pages: list[int]) -> tuple[int, int]:
         """Pull matched chunks into pages; returns (leading valid chunks, bytes pulled)."""
@@ -532,28 +545,7 @@ class Engine:
         if acq.cached < n_full * self.c:
             # entries may have expired while the record still names the objects
             m = self.kv.session_match(self.ns, rec, tenant)
-            rest = m.chunks[acq.cached // self.c :]
-            pages = []
-            try:
-                for _ in rest:
-                    pages.append(self._alloc())
-            except CacheFullError:
-                pass
-            if pages:
-                sub = type(m)(m.ns, m.tenant, tuple(rest[: len(pages)]), m.prompt_chunks)
-                ok, _ = self._pull(sub, pages)
-                for j, page in enumerate(pages):
-                    if j < ok and rest[j].fp not in self.prefix:
-                        self.prefix.insert(
-                            rest[j].fp, rest[j].parent, page, stored=True, tenant=m.tenant
-                        )
-                        acq.slots.append(Slot(page, rest[j].fp))
-                    elif j < ok:
-                        acq.slots.append(Slot(page, None))
-                    else:
-                        self.pool.release(page)
-                acq.remote += ok * self.c
-                acq.cached += ok * self.c
+            self._pull_new_pages(acq, m, m.chunks[acq.cached // self.c :])
         if acq.cached == n_full * self.c and rec.tail_key is not None:
             page = self._alloc()
             if self.device.type == "cpu":

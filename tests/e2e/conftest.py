@@ -4,23 +4,20 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from tests.servers import MotoServer, free_port
+from tests.servers import MotoServer, WorkerProcess, free_port
 
 CHUNK = 16
 
 
-class WorkerProc:
+class WorkerProc(WorkerProcess):
     def __init__(
         self,
         name: str,
@@ -31,9 +28,8 @@ class WorkerProc:
         extra: list[str] | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
-        self.name = name
-        self.port = free_port()
-        self.argv = [
+        port = free_port()
+        argv = [
             sys.executable,
             "-m",
             "workers.cli",
@@ -41,7 +37,7 @@ class WorkerProc:
             "--model",
             "tiny",
             "--port",
-            str(self.port),
+            str(port),
             "--worker-id",
             name,
             "--chunk-tokens",
@@ -55,47 +51,20 @@ class WorkerProc:
             *(["--index", index] if index else []),
             *(extra or []),
         ]
-        self.env = {**os.environ, "KVCLOUD_SECRET": "e2e-secret", **(env or {})}
-        self.log_path = log_dir / f"worker-{name}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=60)
+        super().__init__(
+            name,
+            argv,
+            {**os.environ, "KVCLOUD_SECRET": "e2e-secret", **(env or {})},
+            log_dir / f"worker-{name}.log",
+            port,
+            f"http://127.0.0.1:{port}",
+        )
         self.start()
-
-    def start(self) -> WorkerProc:
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env
-            )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited:\n{self.log_path.read_text()[-3000:]}")
-            try:
-                if self.client.get("/healthz", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"{self.name} not ready:\n{self.log_path.read_text()[-3000:]}")
-
-    def post(self, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
-        return self.client.post(path, json=body or {})
 
     def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         r = self.post("/v1/completions", body)
         assert r.status_code == 200, r.text
         return r.json()
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
 
 
 @pytest.fixture

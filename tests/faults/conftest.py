@@ -23,12 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 
 from tests.faults import report
-from tests.servers import free_port, netns_prefix
+from tests.servers import WorkerProcess, free_port, netns_prefix
 
 CHUNK = 16
 SECRET = "faults-secret"
@@ -87,7 +86,7 @@ def parse_metrics(text_: str) -> dict[str, float]:
     return out
 
 
-class Worker:
+class Worker(WorkerProcess):
     """``kvcloud-worker serve`` (tiny preset, chunk 16) as a subprocess.
 
     ``netns`` runs it inside a network namespace, listening on ``host`` (0.0.0.0 there);
@@ -113,10 +112,9 @@ class Worker:
         connect: str = "127.0.0.1",
         start: bool = True,
     ) -> None:
-        self.name = name
         # a fresh network namespace has every port free; the number just has to be known
-        self.port = free_port()
-        self.argv = [
+        port = free_port()
+        argv = [
             *netns_prefix(netns),
             sys.executable,
             "-m",
@@ -127,7 +125,7 @@ class Worker:
             "--host",
             host,
             "--port",
-            str(self.port),
+            str(port),
             "--worker-id",
             name,
             "--chunk-tokens",
@@ -148,47 +146,25 @@ class Worker:
             *(["--index", index] if index else []),
             *(extra or []),
         ]
-        self.env = {
-            **os.environ,
-            "KVCLOUD_SECRET": SECRET,
-            "KVCLOUD_COST_MODEL": "true" if cost_model else "false",
-            **(env or {}),
-        }
-        self.log_path = log_dir / f"worker-{name}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.client = httpx.Client(base_url=f"http://{connect}:{self.port}", timeout=60)
+        super().__init__(
+            name,
+            argv,
+            {
+                **os.environ,
+                "KVCLOUD_SECRET": SECRET,
+                "KVCLOUD_COST_MODEL": "true" if cost_model else "false",
+                **(env or {}),
+            },
+            log_dir / f"worker-{name}.log",
+            port,
+            f"http://{connect}:{port}",
+        )
         if start:
             self.start()
-
-    def start(self, timeout: float = 60.0) -> Worker:
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited:\n{self.log_tail()}")
-            try:
-                if self.client.get("/healthz", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise TimeoutError(f"{self.name} not ready:\n{self.log_tail()}")
-
-    def log_tail(self, n: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
 
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
-
-    def post(self, path: str, payload: dict[str, Any] | None = None, **kw: Any) -> httpx.Response:
-        return self.client.post(path, json=payload or {}, **kw)
 
     def complete(self, payload: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
         """A completion; the reply gains ``_elapsed`` (seconds, as the client saw it)."""
@@ -229,18 +205,6 @@ class Worker:
             return still >= quiet
 
         return wait_for(settled, timeout, interval=0.2)
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)

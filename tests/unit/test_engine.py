@@ -238,3 +238,21 @@ def test_cache_full_is_a_clear_error() -> None:
     # and the engine still works afterwards: nothing leaked
     assert e.complete(req(prompt(C), 1)).tokens
     assert e.pool.free_count + e.prefix.evictable == 2
+
+
+def test_remote_chunks_after_a_local_gap_reuse_nothing_twice(tmp_path: Path) -> None:
+    """Chunk 1 gone locally, chunk 2 still cached: the lookup for chunks 1.. also returns
+    chunk 2, which must be taken without registering its fingerprint a second time."""
+    a = Engine(opts(tmp_path, write_policy="write-through"))
+    p = prompt(3 * C + 4, 21)
+    a.complete(req(p, 1))
+    assert a.uploader is not None and a.uploader.drain(10)
+    b = Engine(opts(tmp_path, cost_model=False))  # tiny recomputes faster than it pulls
+    first = b.complete(req(p, 6))
+    fps = b._fps(p, "default")
+    gone = b.prefix._by_fp.pop(fps[1])  # as if evicted while chunk 2 stayed
+    b.prefix._lru.pop(fps[1], None)
+    b.pool.release(gone.page)
+    again = b.complete(req(p, 6))
+    assert again.tokens == first.tokens
+    assert again.tokens_local == C and again.tokens_remote == 2 * C
