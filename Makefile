@@ -5,6 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
+# extra options for `make demo`, e.g. DEMO_ARGS="--model tiny --chars 2000"
+DEMO_ARGS ?=
 
 .PHONY: install demo test bench lint format clean reliability
 
@@ -18,9 +20,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: install
-	$(BIN)/python -m workers.demo
+	$(BIN)/python -m workers.demo $(DEMO_ARGS)
 
 test: install
+	scripts/system-deps.sh
+	redis-server --version
+	prometheus --version 2>&1 | head -n 1
 	$(BIN)/python -m pytest -q
 
 bench: install

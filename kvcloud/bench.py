@@ -611,6 +611,7 @@ def _run(
         if encryption is not None:
             result["encryption"] = encryption
     finally:
+        run_failed = sys.exc_info()[0] is not None
         try:
             if pool is not None:
                 pool.shutdown(wait=True)
@@ -623,8 +624,12 @@ def _run(
                 except (KVCloudError, OSError) as exc:
                     # Reported, not raised: it must not hide the error that got us here
                     # (often the same outage), and the namespace is unique, so nothing real
-                    # is affected by leftovers.
-                    say(f"cleanup of namespace {ns.id} failed: {exc}")
+                    # is affected by leftovers. When the run already failed the cause is
+                    # the error about to be printed; repeating it would bury that one line.
+                    if not run_failed:
+                        say(f"cleanup of namespace {ns.id} failed: {exc}")
+                    else:
+                        say(f"cleanup skipped (namespace {ns.id} may hold leftovers)")
                     cleanup["error"] = str(exc)
                     swept = {"objects_deleted": 0, "entries_dropped": 0}
                 cleanup["objects_deleted"] = swept["objects_deleted"] + sum(

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
+import signal
 import sys
 import time
 from collections import defaultdict
@@ -21,7 +23,8 @@ from rich.table import Table
 
 from . import __version__
 from .config import KVCloudConfig
-from .errors import KVCloudError, ObjectNotFoundError
+from .errors import CorruptObjectError, KVCloudError, ObjectNotFoundError
+from .exporter import DEFAULT_PORT, StatsExporter, parse_listen, prometheus_text
 from .indexes.base import Index
 from .models import KV_SHAPES
 from .namespace import DTYPES
@@ -126,9 +129,10 @@ def _progress(enabled: bool) -> Progress:
     )
 
 
-def cmd_stats(args: argparse.Namespace) -> int:
+def collect_stats(args: argparse.Namespace, show: bool) -> dict[str, Any]:
+    """One full scan: entries per namespace from the index, objects from the store."""
     per_ns: dict[str, dict[str, int]] = defaultdict(lambda: {"entries": 0, "bytes": 0, "tokens": 0})
-    show = not args.json and sys.stderr.isatty()
+    collected_at = time.time()
     with _open_index(args) as index:
         with _progress(show) as progress:
             task = progress.add_task("scanning index entries", total=None)
@@ -145,9 +149,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
         "index": index_url,
         "entries": sum(d["entries"] for d in per_ns.values()),
         "entry_bytes": sum(d["bytes"] for d in per_ns.values()),
+        "tokens": sum(d["tokens"] for d in per_ns.values()),
         "sessions": sessions,
         "namespaces": dict(per_ns),
         "counters": counters,
+        "collected_at": collected_at,
     }
     if not args.no_store:
         objects = obj_bytes = 0
@@ -160,8 +166,16 @@ def cmd_stats(args: argparse.Namespace) -> int:
             result["store"] = store.url
         result["objects"] = objects
         result["object_bytes"] = obj_bytes
+    return result
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    if args.serve:
+        return _serve_stats(args)
+    show = not args.json and not args.prometheus and sys.stderr.isatty()
+    result = collect_stats(args, show)
     if args.prometheus:
-        sys.stdout.write(prometheus_stats(result))
+        sys.stdout.write(prometheus_text(result))
         return 0
     if args.json:
         _emit_json(result)
@@ -171,55 +185,39 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if "store" in result:
         console.print(f"store  {result['store']}")
     table = Table("namespace", "entries", "tokens", "bytes")
-    for ns, d in sorted(per_ns.items()):
+    for ns, d in sorted(result["namespaces"].items()):
         table.add_row(ns, f"{d['entries']:,}", f"{d['tokens']:,}", _human_bytes(d["bytes"]))
     table.add_row(
         "[b]total",
         f"{result['entries']:,}",
-        f"{sum(d['tokens'] for d in per_ns.values()):,}",
+        f"{result['tokens']:,}",
         _human_bytes(result["entry_bytes"]),
     )
     console.print(table)
-    line = f"sessions {sessions:,}"
+    line = f"sessions {result['sessions']:,}"
     if "objects" in result:
-        line += f"   objects {objects:,} ({_human_bytes(obj_bytes)})"
+        line += f"   objects {result['objects']:,} ({_human_bytes(result['object_bytes'])})"
     console.print(line)
-    if counters:
-        console.print("counters  " + "  ".join(f"{k}={v:,}" for k, v in sorted(counters.items())))
+    if result["counters"]:
+        console.print(
+            "counters  " + "  ".join(f"{k}={v:,}" for k, v in sorted(result["counters"].items()))
+        )
     return 0
 
 
-def prometheus_stats(result: dict[str, Any]) -> str:
-    """Store-wide figures from ``cmd_stats``'s result in Prometheus text format, for a
-    textfile collector or a cron job that pushes them (the figures need a full scan, so this
-    is not something to run on every scrape)."""
-    from prometheus_client import CollectorRegistry, Gauge, generate_latest
-
-    registry = CollectorRegistry()
-
-    def gauge(name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
-        return Gauge(name, doc, list(labels), registry=registry)
-
-    entries = gauge("kvcloud_index_entries", "Index entries per namespace", ["ns"])
-    entry_bytes = gauge("kvcloud_index_entry_bytes", "Bytes the index entries reference", ["ns"])
-    tokens = gauge("kvcloud_index_entry_tokens", "Tokens the index entries cover", ["ns"])
-    for ns, d in result["namespaces"].items():
-        entries.labels(ns=ns).set(d["entries"])
-        entry_bytes.labels(ns=ns).set(d["bytes"])
-        tokens.labels(ns=ns).set(d["tokens"])
-    gauge("kvcloud_index_sessions", "Session records in the index").set(result["sessions"])
-    # Index counters are monotonic in the index, but this process only reads a snapshot of
-    # them, so they are gauges; rate()/deriv() over successive snapshots still works.
-    counter = gauge("kvcloud_index_counter", "Cumulative counters kept in the index", ["name"])
-    for name, value in result["counters"].items():
-        counter.labels(name=name).set(value)
-    if "objects" in result:
-        gauge("kvcloud_store_objects", "Objects in the store").set(result["objects"])
-        gauge("kvcloud_store_bytes", "Bytes of the objects in the store").set(
-            result["object_bytes"]
-        )
-    gauge("kvcloud_stats_timestamp_seconds", "When these figures were collected").set(time.time())
-    return generate_latest(registry).decode("utf-8")
+def _serve_stats(args: argparse.Namespace) -> int:
+    host, port = parse_listen(args.serve)
+    # Fail fast on a wrong URL or scheme before listening; an unreachable server is not
+    # fatal here (it may come up later), the exporter reports it as kvcloud_stats_up 0.
+    _config(args)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    exporter = StatsExporter(lambda: collect_stats(args, show=False), args.interval)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: exporter.stop())
+    exporter.serve(host, port)
+    return 0
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -306,7 +304,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 objects.append(_describe_object(store, key))
             except ObjectNotFoundError:
                 objects.append({"key": key, "error": "object not found"})
-            except KVCloudError as exc:
+            except CorruptObjectError as exc:
+                # a finding about the object; a store that cannot be read at all is not,
+                # and fails the command with its own one-line error
                 objects.append({"key": key, "error": f"{type(exc).__name__}: {exc}"})
     result["objects"] = objects
     if args.json:
@@ -642,6 +642,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-store", action="store_true", help="skip listing the object store")
     s.add_argument(
         "--prometheus", action="store_true", help="print the figures in Prometheus text format"
+    )
+    s.add_argument(
+        "--serve",
+        metavar="[HOST:]PORT",
+        help=f"run as a Prometheus exporter on this address (e.g. {DEFAULT_PORT} or "
+        f"0.0.0.0:{DEFAULT_PORT}; host defaults to 127.0.0.1), rescanning every --interval",
+    )
+    s.add_argument(
+        "--interval",
+        type=float,
+        default=60.0,
+        help="with --serve: seconds between scans (default 60; a scan lists every entry and "
+        "object, so keep it well above the scan time kvcloud_stats_scan_seconds)",
     )
     s.set_defaults(func=cmd_stats)
 

@@ -67,9 +67,10 @@ class Worker:
         index: str | None,
         log_dir: Path,
         cache_pages: int,
+        port: int | None = None,
     ) -> None:
         self.name = name
-        self.port = _free_port()
+        self.port = port or _free_port()
         argv = [
             sys.executable,
             "-m",
@@ -134,7 +135,39 @@ def _turns(total_chars: int) -> list[str]:
     ]
 
 
-def run(model: str, total_chars: int, max_tokens: int, workdir: Path) -> int:
+# Prometheus's discovery manager hands new targets to the scrapers at most every 5 s.
+DISCOVERY_SECONDS = 6.0
+
+
+class ScrapeTargets:
+    """A Prometheus ``file_sd_configs`` file listing the demo's workers (all four, with
+    ports chosen up front, so Prometheus discovers them once, before any starts: a worker
+    found only after it started could finish its work unseen). Written atomically, since
+    Prometheus may read it at any moment; removed when the demo ends."""
+
+    def __init__(self, path: Path, ports: dict[str, int]) -> None:
+        self.path = path
+        groups = [
+            {"targets": [f"127.0.0.1:{port}"], "labels": {"worker": f"demo-{name}"}}
+            for name, port in ports.items()
+        ]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(groups, indent=2) + "\n")
+        os.replace(tmp, path)
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def run(
+    model: str,
+    total_chars: int,
+    max_tokens: int,
+    workdir: Path,
+    prometheus_sd: Path | None = None,
+    scrape_wait: float = 0.0,
+) -> int:
     store = os.environ.get("KVCLOUD_STORE")
     index = os.environ.get("KVCLOUD_INDEX")
     if not store:
@@ -150,12 +183,32 @@ def run(model: str, total_chars: int, max_tokens: int, workdir: Path) -> int:
     gen = {"max_tokens": max_tokens, "temperature": 0, "return_token_ids": True, "ignore_eos": True}
     console.print(f"[b]kvcloud demo[/b]: model [cyan]{model}[/], store {store.split('?')[0]}")
     workers: list[Worker] = []
+    ports = {name: _free_port() for name in ("a", "r", "b", "c")}
+    targets: ScrapeTargets | None = None
+
+    def started(w: Worker) -> Worker:
+        workers.append(w)
+        # let Prometheus take a sample before the worker does anything, so rate() sees the
+        # whole of what it does (a series' first sample has no increase before it)
+        time.sleep(scrape_wait)
+        return w
+
+    def stop(w: Worker) -> None:
+        time.sleep(scrape_wait)  # ...and one after, before the worker is gone
+        w.stop()
+        workers.remove(w)
+
     try:
+        if prometheus_sd is not None:
+            targets = ScrapeTargets(prometheus_sd, ports)
+            console.print(
+                f"Prometheus scrape targets in {prometheus_sd}; "
+                f"giving Prometheus {DISCOVERY_SECONDS:.0f} s to discover them …"
+            )
+            time.sleep(DISCOVERY_SECONDS)
         console.print("starting worker A (with store) and R (reference, no store) …")
-        a = Worker("a", model, store, index, workdir, pages)
-        workers.append(a)
-        r = Worker("r", model, None, None, workdir, pages)
-        workers.append(r)
+        a = started(Worker("a", model, store, index, workdir, pages, ports["a"]))
+        r = started(Worker("r", model, None, None, workdir, pages, ports["r"]))
         sid = _call(a.port, "POST", "/v1/sessions", {})["id"]
         rsid = _call(r.port, "POST", "/v1/sessions", {})["id"]
         history: list[int] = []
@@ -171,27 +224,27 @@ def run(model: str, total_chars: int, max_tokens: int, workdir: Path) -> int:
             )
         ref_last = r.complete({"prompt": turns[-1], "session_id": rsid, **gen})
         ref_ids = ref_last["choices"][0]["token_ids"]
+        if scrape_wait > 0:
+            # SIGTERM would flush too, but after Prometheus's last look at A: flush first so
+            # the push shows on the dashboard; the SIGTERM flush then has nothing left to do.
+            _call(a.port, "POST", f"/v1/sessions/{sid}/flush", {})
         console.print("stopping worker A with SIGTERM (it flushes the session) …")
-        a.stop()
-        workers.remove(a)
-        r.stop()
-        workers.remove(r)
+        stop(a)
+        stop(r)
 
         console.print("starting worker B (same store) and C (no store) …")
-        b = Worker("b", model, store, index, workdir, pages)
-        workers.append(b)
+        b = started(Worker("b", model, store, index, workdir, pages, ports["b"]))
         out_b = b.complete({"prompt": turns[-1], "session_id": sid, **gen})
-        b.stop()
-        workers.remove(b)
-        c = Worker("c", model, None, None, workdir, pages)
-        workers.append(c)
+        stop(b)
+        c = started(Worker("c", model, None, None, workdir, pages, ports["c"]))
         full = history + list(turns[-1].encode())
         out_c = c.complete({"prompt": full, **gen})
-        c.stop()
-        workers.remove(c)
+        stop(c)
     finally:
         for w in workers:
             w.stop(signal.SIGKILL)
+        if targets is not None:
+            targets.close()
 
     kb, kc = out_b["kvcloud"], out_c["kvcloud"]
     ids_b = out_b["choices"][0]["token_ids"]
@@ -241,8 +294,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--dir", type=Path, default=Path(".kvcloud-demo"))
+    p.add_argument(
+        "--prometheus-sd",
+        type=Path,
+        metavar="FILE",
+        help="keep a Prometheus file_sd_configs JSON list of the demo's workers here while "
+        "they run (infra/local/start.sh watches .kvcloud-local/prometheus/targets/*.json)",
+    )
+    p.add_argument(
+        "--scrape-wait",
+        type=float,
+        help="seconds each worker waits after starting and before stopping, so Prometheus "
+        "samples it (default: 5 with --prometheus-sd, else 0)",
+    )
     args = p.parse_args(argv)
-    return run(args.model, args.chars, args.max_tokens, args.dir)
+    wait = args.scrape_wait
+    if wait is None:
+        wait = 5.0 if args.prometheus_sd else 0.0
+    return run(args.model, args.chars, args.max_tokens, args.dir, args.prometheus_sd, wait)
 
 
 if __name__ == "__main__":

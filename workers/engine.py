@@ -175,6 +175,18 @@ class Metrics:
             "Pulled objects that failed verification (digest, header, decode) and were dropped",
             registry=r,
         )
+        # Every known label value starts at 0: a series that first appears already at 1 hides
+        # that first increase from rate()/increase(), so a dashboard would miss it.
+        for metric, values in (
+            (self.requests, ("ok", "error")),
+            (self.tokens, ("local", "remote", "computed")),
+            (self.uploads, ("ok", "dropped", "failed")),
+            (self.flushes, ("ok", "failed")),
+            (self.decisions, ("restore", "partial", "recompute")),
+            (self.pull_failures, ("missing", "corrupt", "unavailable")),
+        ):
+            for value in values:
+                metric.labels(value)
 
 
 class _TimedPushes:

@@ -1,20 +1,29 @@
 #!/usr/bin/env bash
 # The kvcloud stack without Docker: redis-server (infra/redis/redis.conf), moto_server as the
-# S3 endpoint, and two workers. PIDs, logs and data go to a state directory; stop.sh stops it.
+# S3 endpoint, two workers, the store-stats exporter (`kvcloud stats --serve`), and Prometheus
+# when its binary is installed. PIDs, logs and data go to a state directory; stop.sh stops it.
 #
 #   infra/local/start.sh && source .kvcloud-local/env && kvcloud stats
 #
+# Prometheus scrapes the two workers, the exporter and every file_sd target list in
+# $STATE/prometheus/targets/*.json every 2 s: `make demo DEMO_ARGS="--prometheus-sd
+# .kvcloud-local/prometheus/targets/demo.json"` registers the demo's own workers there.
+#
 # Settings (environment):
-#   KVCLOUD_LOCAL_STATE        state directory               (default: <repo>/.kvcloud-local)
-#   KVCLOUD_LOCAL_VENV         virtualenv with kvcloud       (default: <repo>/.venv)
-#   KVCLOUD_LOCAL_REDIS_PORT   redis-server port             (default: 6379)
-#   KVCLOUD_LOCAL_S3_PORT      moto_server port              (default: 9000)
-#   KVCLOUD_LOCAL_WORKER1_PORT first worker's port           (default: 8001)
-#   KVCLOUD_LOCAL_WORKER2_PORT second worker's port          (default: 8002)
-#   KVCLOUD_LOCAL_BUCKET       bucket                        (default: kvcloud)
-#   KVCLOUD_LOCAL_TIMEOUT      seconds to wait for health    (default: 120)
-#   KVCLOUD_WORKER_MODEL       worker model preset           (default: small)
-#   KVCLOUD_SECRET             master secret (default: a random one, kept in the state dir)
+#   KVCLOUD_LOCAL_STATE           state directory                 (default: <repo>/.kvcloud-local)
+#   KVCLOUD_LOCAL_VENV            virtualenv with kvcloud         (default: <repo>/.venv)
+#   KVCLOUD_LOCAL_REDIS_PORT      redis-server port               (default: 6379)
+#   KVCLOUD_LOCAL_S3_PORT         moto_server port                (default: 9000)
+#   KVCLOUD_LOCAL_WORKER1_PORT    first worker's port             (default: 8001)
+#   KVCLOUD_LOCAL_WORKER2_PORT    second worker's port            (default: 8002)
+#   KVCLOUD_LOCAL_EXPORTER_PORT   `kvcloud stats --serve` port    (default: 9108)
+#   KVCLOUD_LOCAL_PROMETHEUS      auto (start it if `prometheus` is on PATH), yes or no
+#                                                                 (default: auto)
+#   KVCLOUD_LOCAL_PROMETHEUS_PORT Prometheus port                 (default: 9090)
+#   KVCLOUD_LOCAL_BUCKET          bucket                          (default: kvcloud)
+#   KVCLOUD_LOCAL_TIMEOUT         seconds to wait for health      (default: 120)
+#   KVCLOUD_WORKER_MODEL          worker model preset             (default: small)
+#   KVCLOUD_SECRET                master secret (default: a random one, kept in the state dir)
 #   other KVCLOUD_* worker variables (KVCLOUD_CACHE_PAGES, …) pass through to the workers.
 #
 # moto_server keeps objects in memory, so each start begins with an empty bucket and an
@@ -28,6 +37,9 @@ REDIS_PORT="${KVCLOUD_LOCAL_REDIS_PORT:-6379}"
 S3_PORT="${KVCLOUD_LOCAL_S3_PORT:-9000}"
 WORKER1_PORT="${KVCLOUD_LOCAL_WORKER1_PORT:-8001}"
 WORKER2_PORT="${KVCLOUD_LOCAL_WORKER2_PORT:-8002}"
+EXPORTER_PORT="${KVCLOUD_LOCAL_EXPORTER_PORT:-9108}"
+WITH_PROMETHEUS="${KVCLOUD_LOCAL_PROMETHEUS:-auto}"
+PROMETHEUS_PORT="${KVCLOUD_LOCAL_PROMETHEUS_PORT:-9090}"
 BUCKET="${KVCLOUD_LOCAL_BUCKET:-kvcloud}"
 TIMEOUT="${KVCLOUD_LOCAL_TIMEOUT:-120}"
 MODEL="${KVCLOUD_WORKER_MODEL:-small}"
@@ -41,8 +53,19 @@ die() {
 [[ -x "$PY" ]] || die "no virtualenv at $VENV (run 'make install', or set KVCLOUD_LOCAL_VENV)"
 [[ -x "$VENV/bin/moto_server" ]] || die "moto_server not in $VENV (run 'make install')"
 [[ -x "$VENV/bin/kvcloud-worker" ]] || die "kvcloud-worker not in $VENV (run 'make install')"
+[[ -x "$VENV/bin/kvcloud" ]] || die "kvcloud not in $VENV (run 'make install')"
 REDIS_SERVER="$(command -v redis-server)" \
     || die "redis-server not found (apt-get install -y redis-server)"
+PROMETHEUS=""
+case "$WITH_PROMETHEUS" in
+    auto) PROMETHEUS="$(command -v prometheus || true)" ;;
+    yes)
+        PROMETHEUS="$(command -v prometheus)" \
+            || die "prometheus not found (apt-get install -y prometheus, or KVCLOUD_LOCAL_PROMETHEUS=no)"
+        ;;
+    no) ;;
+    *) die "KVCLOUD_LOCAL_PROMETHEUS must be auto, yes or no (got '$WITH_PROMETHEUS')" ;;
+esac
 
 mkdir -p "$STATE/logs" "$STATE/pids"
 STATE="$(cd "$STATE" && pwd)"
@@ -63,7 +86,11 @@ rm -f "$STATE"/pids/*.pid
 port_free() {
     ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
 }
-for port in "$REDIS_PORT" "$S3_PORT" "$WORKER1_PORT" "$WORKER2_PORT"; do
+ports=("$REDIS_PORT" "$S3_PORT" "$WORKER1_PORT" "$WORKER2_PORT" "$EXPORTER_PORT")
+if [[ -n "$PROMETHEUS" ]]; then
+    ports+=("$PROMETHEUS_PORT")
+fi
+for port in "${ports[@]}"; do
     port_free "$port" || die "port $port is in use (override with KVCLOUD_LOCAL_*_PORT)"
 done
 
@@ -158,13 +185,55 @@ export AWS_SECRET_ACCESS_KEY='$AWS_SECRET_ACCESS_KEY'
 ENVEOF
 )
 
-# --- workers ----------------------------------------------------------------------------------
+# --- workers and the exporter (the bucket exists now, so its first scan succeeds) -------------
 start worker1 env KVCLOUD_WORKER_ID=local-1 \
     "$VENV/bin/kvcloud-worker" serve --host 127.0.0.1 --port "$WORKER1_PORT"
 start worker2 env KVCLOUD_WORKER_ID=local-2 \
     "$VENV/bin/kvcloud-worker" serve --host 127.0.0.1 --port "$WORKER2_PORT"
+# a scan of this small stack is cheap, so every 5 s instead of the default 60 s
+start exporter "$VENV/bin/kvcloud" stats --serve "127.0.0.1:$EXPORTER_PORT" --interval 5
+wait_for exporter http_ok "http://127.0.0.1:$EXPORTER_PORT/metrics"
 wait_for worker1 http_ok "http://127.0.0.1:$WORKER1_PORT/healthz"
 wait_for worker2 http_ok "http://127.0.0.1:$WORKER2_PORT/healthz"
+
+# --- Prometheus -------------------------------------------------------------------------------
+# Same jobs as infra/prometheus/prometheus.yml, every 2 s so a one-minute demo shows up. Other
+# processes (make demo's workers) add targets by writing file_sd lists into targets/; data
+# stays in the state directory between runs.
+if [[ -n "$PROMETHEUS" ]]; then
+    mkdir -p "$STATE/prometheus/targets" "$STATE/prometheus/data"
+    # target lists left by an earlier run name processes that are gone
+    rm -f "$STATE/prometheus/targets/"*.json
+    cat >"$STATE/prometheus/prometheus.yml" <<PROMEOF
+# generated by infra/local/start.sh; rewritten on every start
+global:
+  scrape_interval: 2s
+  scrape_timeout: 2s
+  evaluation_interval: 2s
+scrape_configs:
+  - job_name: kvcloud-worker
+    static_configs:
+      - targets: ["127.0.0.1:$WORKER1_PORT", "127.0.0.1:$WORKER2_PORT"]
+    file_sd_configs:
+      - files: ["$STATE/prometheus/targets/*.json"]
+        refresh_interval: 5s
+  - job_name: kvcloud-stats
+    static_configs:
+      - targets: ["127.0.0.1:$EXPORTER_PORT"]
+PROMEOF
+    start prometheus "$PROMETHEUS" \
+        --config.file="$STATE/prometheus/prometheus.yml" \
+        --storage.tsdb.path="$STATE/prometheus/data" \
+        --storage.tsdb.retention.time=2d \
+        --web.listen-address="127.0.0.1:$PROMETHEUS_PORT"
+    wait_for prometheus http_ok "http://127.0.0.1:$PROMETHEUS_PORT/-/ready"
+    PROMETHEUS_LINE="http://127.0.0.1:$PROMETHEUS_PORT   (scrapes every 2 s; file_sd targets in $STATE/prometheus/targets/*.json)"
+    WATCH="Watch the demo in Prometheus (or Grafana with infra/grafana/kvcloud-dashboard.json):
+  make demo DEMO_ARGS=\"--prometheus-sd $STATE/prometheus/targets/demo.json\""
+else
+    PROMETHEUS_LINE="not started (no prometheus binary, or KVCLOUD_LOCAL_PROMETHEUS=no)"
+    WATCH=""
+fi
 
 trap - ERR
 
@@ -172,6 +241,8 @@ cat <<INFO
 kvcloud local stack is up (model $MODEL; state, logs and pids in $STATE)
   worker 1  http://127.0.0.1:$WORKER1_PORT   (/healthz, /metrics, /v1/completions)
   worker 2  http://127.0.0.1:$WORKER2_PORT
+  exporter  http://127.0.0.1:$EXPORTER_PORT/metrics   (kvcloud stats --serve, rescans every 5 s)
+  Prometheus $PROMETHEUS_LINE
   S3        $S3_ENDPOINT   (moto_server, in memory; bucket $BUCKET)
   Redis     redis://127.0.0.1:$REDIS_PORT/0
 Point kvcloud at it (make demo, kvcloud stats, …):
@@ -181,5 +252,6 @@ or:
   export KVCLOUD_INDEX='$KVCLOUD_INDEX'
   export AWS_ACCESS_KEY_ID='$AWS_ACCESS_KEY_ID' AWS_SECRET_ACCESS_KEY='$AWS_SECRET_ACCESS_KEY'
   export KVCLOUD_SECRET=…   (the value is in $STATE/env)
-Stop it with: infra/local/stop.sh
+${WATCH:+$WATCH
+}Stop it with: infra/local/stop.sh
 INFO

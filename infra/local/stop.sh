@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Stops the stack infra/local/start.sh started: the workers first (SIGTERM, so they flush
-# every session to the store while it is still up), then moto_server and redis-server.
+# Stops the stack infra/local/start.sh started: Prometheus and the stats exporter, then the
+# workers (SIGTERM, so they flush every session to the store while it is still up), then
+# moto_server and redis-server.
 # Idempotent: stopping a stopped stack does nothing and succeeds.
 #
 # Settings (environment):
@@ -16,6 +17,8 @@ STOP_TIMEOUT="${KVCLOUD_LOCAL_STOP_TIMEOUT:-60}"
 expected_command() {
     case "$1" in
         worker1 | worker2) echo "kvcloud-worker" ;;
+        exporter) echo "kvcloud stats" ;;
+        prometheus) echo "prometheus" ;;
         s3) echo "moto_server" ;;
         redis) echo "redis-server" ;;
         *) echo "" ;;
@@ -63,7 +66,10 @@ if [[ ! -d "$STATE/pids" ]]; then
     exit 0
 fi
 
-# workers together (each flushes its sessions), then the servers they flush to
+# the readers first (they would only log the others going away), then the workers together
+# (each flushes its sessions), then the servers they flush to
+stop_one prometheus
+stop_one exporter
 worker_pids=()
 for name in worker1 worker2; do
     stop_one "$name" &

@@ -350,7 +350,9 @@ class S3Store(ObjectStore):
             return StoreError(f"{what}: {code} (HTTP {status}) {message}".rstrip())
         if isinstance(exc, BotoConnectionError | HTTPClientError | IncompleteReadError):
             return StoreUnavailableError(
-                f"{what}: cannot reach {self._where}: {type(exc).__name__}: {exc}"
+                f"{what}: cannot reach {self._where}: {type(exc).__name__}: {exc}; check "
+                "that the S3 server runs at that endpoint (host, port, http vs https, "
+                "firewall, proxy)"
             )
         if isinstance(exc, NoCredentialsError | PartialCredentialsError):
             return StoreError(

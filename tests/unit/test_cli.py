@@ -124,3 +124,122 @@ def test_unreachable_index_is_one_clear_line(tmp_path: Path) -> None:
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and "hunter2" not in r.stderr
     assert r.stderr.strip().count("\n") == 0 and "127.0.0.1" in r.stderr
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """Unlabelled samples plus label-summed ones, by sample name."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def test_stats_exporter_serves_figures_that_move(tmp_path: Path) -> None:
+    """``kvcloud stats --serve`` rescans on its interval: a push between two scrapes shows
+    up as more entries and objects; SIGTERM stops it cleanly."""
+    import signal
+    import time
+
+    from tests.servers import free_port
+
+    store, index = f"file://{tmp_path / 'o'}", f"sqlite://{tmp_path / 'i.db'}"
+    ns = make_ns()
+    with KVCloud.open(store=store, index=index) as kv:
+        kv.push(ns, make_tokens(40, seed=1), make_kv(ns, 40))
+    port = free_port()
+    argv = [sys.executable, "-m", "kvcloud.cli", "stats", "--serve", f"127.0.0.1:{port}"]
+    proc = subprocess.Popen(
+        [*argv, "--interval", "0.2", "--store", store, "--index", index],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+
+        def wait_for(pred) -> dict[str, float]:  # type: ignore[no-untyped-def]
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    m = _scrape(port)
+                    if pred(m):
+                        return m
+                except OSError:
+                    pass
+                assert time.monotonic() < deadline, "exporter never showed the expected figures"
+                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                time.sleep(0.1)
+
+        m = wait_for(lambda m: m.get("kvcloud_index_entries") == 2)
+        assert m["kvcloud_store_objects"] == 2 and m["kvcloud_stats_up"] == 1
+        assert m["kvcloud_index_entry_bytes"] == m["kvcloud_store_bytes"] > 0
+        with KVCloud.open(store=store, index=index) as kv:
+            kv.push(ns, make_tokens(40, seed=2), make_kv(ns, 40, seed=2))
+        m = wait_for(lambda m: m.get("kvcloud_index_entries") == 4)
+        assert m["kvcloud_store_objects"] == 4
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=15)
+    assert rc == 0
+
+
+def test_stats_exporter_keeps_last_figures_when_a_scan_fails() -> None:
+    from prometheus_client import generate_latest
+
+    from kvcloud.errors import StoreUnavailableError
+    from kvcloud.exporter import StatsExporter
+
+    results: list[object] = [
+        {
+            "namespaces": {"n1": {"entries": 3, "bytes": 30, "tokens": 48}},
+            "sessions": 1,
+            "counters": {"lookups": 5},
+            "objects": 3,
+            "object_bytes": 30,
+            "collected_at": 1.0,
+        },
+        StoreUnavailableError("store s3://b/p (endpoint http://x) unreachable"),
+    ]
+
+    def collect() -> dict:  # type: ignore[type-arg]
+        r = results.pop(0)
+        if isinstance(r, Exception):
+            raise r
+        return r  # type: ignore[return-value]
+
+    exp = StatsExporter(collect, interval=1)
+    assert exp.scan_once() is True
+    assert exp.scan_once() is False
+    text = generate_latest(exp.registry).decode()
+    assert "kvcloud_stats_up 0.0" in text
+    assert "kvcloud_stats_scan_failures_total 1.0" in text
+    assert 'kvcloud_index_entries{ns="n1"} 3.0' in text and "kvcloud_store_objects 3.0" in text
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("9108", ("127.0.0.1", 9108)),
+        (":9", ("127.0.0.1", 9)),
+        ("0.0.0.0:80", ("0.0.0.0", 80)),
+        ("[::1]:81", ("::1", 81)),
+    ],
+)
+def test_serve_address(value: str, expected: tuple[str, int]) -> None:
+    from kvcloud.exporter import parse_listen
+
+    assert parse_listen(value) == expected
+
+
+@pytest.mark.parametrize("value", ["", "host:", "x:99999", "abc"])
+def test_serve_address_rejects_garbage(value: str) -> None:
+    from kvcloud.errors import KVCloudError
+    from kvcloud.exporter import parse_listen
+
+    with pytest.raises(KVCloudError):
+        parse_listen(value)

@@ -1,5 +1,6 @@
 """docker-compose.yml, .env.example, infra/: Docker cannot run here, so these tests read the
-files and check them against what the code reads — every variable, URL and port."""
+files and check them against what the code reads — every variable, URL and port — and the
+monitoring files (Prometheus config, Grafana provisioning) against the services they name."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from kvcloud.cli import build_parser
 from kvcloud.config import KVCloudConfig, split_url
 from kvcloud.indexes import KNOWN_SCHEMES as INDEX_SCHEMES
 from kvcloud.stores import S3Config
@@ -25,8 +27,13 @@ ENV_EXAMPLE = ROOT / ".env.example"
 REDIS_CONF = ROOT / "infra" / "redis" / "redis.conf"
 DOCKERFILE = ROOT / "infra" / "Dockerfile"
 LOCAL = ROOT / "infra" / "local"
+PROMETHEUS_YML = ROOT / "infra" / "prometheus" / "prometheus.yml"
+GRAFANA = ROOT / "infra" / "grafana"
 
 WORKERS = ("worker-1", "worker-2")
+EXPORTER = "kvcloud-exporter"
+# the store-scoped variables the exporter gets: what `kvcloud stats` reads, and no more
+STORE_ENV = ("KVCLOUD_STORE", "KVCLOUD_INDEX", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 # ${NAME}, ${NAME:-default}, ${NAME-default}, ${NAME:?message}, ${NAME?message}; $$ escapes $
 _REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
 _SECRET_NAME = re.compile(r"SECRET|PASSWORD|PASSWD|TOKEN|KEY|AUTH", re.IGNORECASE)
@@ -125,12 +132,37 @@ def _flag(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
 
+def _option(argv: list[str], name: str) -> str:
+    """The value of ``--name=value`` (the form the Prometheus image's flags use)."""
+    values = [a.split("=", 1)[1] for a in argv if a.startswith(f"{name}=")]
+    assert len(values) == 1, f"{name}= missing from {argv}"
+    return values[0]
+
+
+def _mounts(service: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """Container path -> (source, mode) of a service's volumes."""
+    out = {}
+    for spec in service.get("volumes", []):
+        source, target, *mode = spec.split(":")
+        out[target] = (source, mode[0] if mode else "rw")
+    return out
+
+
+def _exporter_args(compose: dict[str, Any]) -> Any:
+    """The exporter's command, parsed by the kvcloud CLI's own parser."""
+    command = compose["services"][EXPORTER]["command"]
+    assert command[:2] == ["kvcloud", "stats"], command
+    return build_parser().parse_args(command[1:])
+
+
 # -- services and images ----------------------------------------------------------------------
 
 
 def test_services_healthchecks_and_named_volumes(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    assert {"minio", "minio-init", "redis", *WORKERS} <= set(services)
+    assert {"minio", "minio-init", "redis", *WORKERS, EXPORTER, "prometheus", "grafana"} <= set(
+        services
+    )
     for name, svc in services.items():
         assert svc.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
         for dep in svc.get("depends_on", {}):
@@ -141,12 +173,18 @@ def test_services_healthchecks_and_named_volumes(compose: dict[str, Any]) -> Non
                 assert (ROOT / source).exists(), f"{name} mounts missing {source}"
             else:
                 assert source in compose["volumes"], f"{name}: volume {source} is not declared"
-    assert set(compose["volumes"]) == {"minio-data", "redis-data"}
-    for worker in WORKERS:
+    assert set(compose["volumes"]) == {
+        "minio-data",
+        "redis-data",
+        "prometheus-data",
+        "grafana-data",
+    }
+    for worker in (*WORKERS, EXPORTER):
         deps = services[worker]["depends_on"]
         assert deps["minio-init"]["condition"] == "service_completed_successfully"
         assert deps["redis"]["condition"] == "service_healthy"
         assert services[worker]["build"]["dockerfile"] == "infra/Dockerfile"
+    assert services["grafana"]["depends_on"]["prometheus"]["condition"] == "service_healthy"
 
 
 def test_images_are_pinned(compose: dict[str, Any]) -> None:
@@ -158,6 +196,10 @@ def test_images_are_pinned(compose: dict[str, Any]) -> None:
         assert tag != "latest" and "${" not in tag, f"{name}: unpinned image {image!r}"
     assert compose["services"]["minio"]["image"].startswith("minio/minio:RELEASE.")
     assert compose["services"]["minio-init"]["image"].startswith("minio/mc:RELEASE.")
+    assert compose["services"]["prometheus"]["image"].startswith("prom/prometheus:v")
+    assert compose["services"]["grafana"]["image"].startswith("grafana/grafana:")
+    # the exporter is the workers' image (the `kvcloud` command is installed next to the worker)
+    assert compose["services"][EXPORTER]["image"] == compose["services"]["worker-1"]["image"]
 
 
 def test_dockerfile_installs_pinned_cpu_torch_and_the_worker() -> None:
@@ -264,6 +306,104 @@ def test_ports_match_what_services_listen_on(
     assert _flag(redis["healthcheck"]["test"], "-p") == str(redis_port)
 
 
+# -- monitoring: exporter, Prometheus, Grafana ------------------------------------------------
+
+
+def test_exporter_gets_the_workers_store_and_nothing_more(
+    compose: dict[str, Any], env_example: dict[str, str]
+) -> None:
+    services = compose["services"]
+    exporter = services[EXPORTER]
+    env = _service_env(exporter, env_example)
+    worker_env = _service_env(services["worker-1"], env_example)
+    assert sorted(env) == sorted(STORE_ENV)
+    assert all(env[k] == worker_env[k] for k in STORE_ENV)
+    cfg = KVCloudConfig.from_env(env)  # a valid store and index URL for kvcloud
+    assert cfg.store == env["KVCLOUD_STORE"] and cfg.index == env["KVCLOUD_INDEX"]
+
+    args = _exporter_args(compose)
+    host, _, port = args.serve.rpartition(":")
+    assert host == "0.0.0.0", "the exporter must listen beyond the container's loopback"
+    assert args.interval >= 30, "each scan lists the whole index and bucket"
+    health = " ".join(exporter["healthcheck"]["test"])
+    assert f"http://127.0.0.1:{port}/metrics" in health
+    assert not exporter.get("ports"), "Prometheus reaches the exporter on the compose network"
+    deps = exporter["depends_on"]
+    assert deps["minio-init"]["condition"] == "service_completed_successfully"
+    assert deps["redis"]["condition"] == "service_healthy"
+
+
+def test_prometheus_scrapes_the_workers_and_the_exporter(
+    compose: dict[str, Any], env_example: dict[str, str]
+) -> None:
+    services = compose["services"]
+    prom = services["prometheus"]
+    command = prom["command"]
+    mounts = _mounts(prom)
+    source, mode = mounts[_option(command, "--config.file")]
+    assert (ROOT / source).resolve() == PROMETHEUS_YML and mode == "ro"
+    assert mounts[_option(command, "--storage.tsdb.path")][0] == "prometheus-data"
+    port = int(_option(command, "--web.listen-address").rpartition(":")[2])
+    assert _container_ports(prom, env_example) == {port}
+    assert f"http://127.0.0.1:{port}/-/ready" in prom["healthcheck"]["test"]
+
+    config = yaml.safe_load(PROMETHEUS_YML.read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(jobs) == {"kvcloud-worker", "kvcloud-stats"}
+
+    def targets(job: dict[str, Any]) -> set[str]:
+        assert job.get("metrics_path", "/metrics") == "/metrics"
+        return {t for group in job["static_configs"] for t in group["targets"]}
+
+    worker_targets = {f"{w}:{_flag(services[w]['command'], '--port')}" for w in WORKERS}
+    assert targets(jobs["kvcloud-worker"]) == worker_targets
+    exporter_port = _exporter_args(compose).serve.rpartition(":")[2]
+    assert targets(jobs["kvcloud-stats"]) == {f"{EXPORTER}:{exporter_port}"}
+    # scraping the exporter faster than it rescans only repeats the same figures
+    assert int(jobs["kvcloud-stats"]["scrape_interval"].rstrip("s")) >= 30
+
+    promtool = shutil.which("promtool")
+    if promtool:
+        subprocess.run([promtool, "check", "config", str(PROMETHEUS_YML)], check=True)
+
+
+def test_grafana_is_provisioned_with_prometheus_and_the_dashboard(
+    compose: dict[str, Any], env_example: dict[str, str]
+) -> None:
+    services = compose["services"]
+    grafana = services["grafana"]
+    mounts = _mounts(grafana)
+    source, mode = mounts["/etc/grafana/provisioning"]
+    assert (ROOT / source).resolve() == GRAFANA / "provisioning" and mode == "ro"
+    assert mounts["/var/lib/grafana"][0] == "grafana-data"
+    assert _container_ports(grafana, env_example) == {3000}
+    assert "http://127.0.0.1:3000/api/health" in grafana["healthcheck"]["test"]
+    env = grafana["environment"]
+    m = _REF.fullmatch(env["GF_SECURITY_ADMIN_PASSWORD"])
+    assert m and m.group(2) == ":?", "the admin password comes from .env, with no default"
+
+    provisioning = GRAFANA / "provisioning"
+    sources = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())
+    (datasource,) = sources["datasources"]
+    assert datasource["type"] == "prometheus" and datasource["uid"] and datasource["isDefault"]
+    url = urlsplit(datasource["url"])
+    prom_port = int(_option(services["prometheus"]["command"], "--web.listen-address")[1:])
+    assert (url.hostname, url.port) == ("prometheus", prom_port)
+
+    providers = yaml.safe_load((provisioning / "dashboards" / "kvcloud.yml").read_text())
+    (provider,) = providers["providers"]
+    assert provider["type"] == "file"
+    dashboards = {
+        target: src
+        for target, (src, _mode) in mounts.items()
+        if target.startswith(provider["options"]["path"].rstrip("/") + "/")
+    }
+    assert [(ROOT / src).resolve() for src in dashboards.values()] == [
+        GRAFANA / "kvcloud-dashboard.json"
+    ]
+    assert env["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] in dashboards
+
+
 # -- secrets ----------------------------------------------------------------------------------
 
 
@@ -339,3 +479,5 @@ def test_local_scripts_are_strict_bash(name: str) -> None:
     if name == "start.sh":
         assert "infra/redis/redis.conf" in text and "moto_server" in text
         assert '"${KVCLOUD_WORKER_MODEL:-small}"' in text
+        assert '"$VENV/bin/kvcloud" stats --serve' in text
+        assert "file_sd_configs" in text and "$STATE/prometheus/targets/*.json" in text

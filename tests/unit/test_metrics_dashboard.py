@@ -109,6 +109,20 @@ def test_dashboard_is_valid_grafana_json() -> None:
         assert p["targets"] and all(t["expr"] and t["refId"] for t in p["targets"])
 
 
+def test_dashboard_datasource_is_a_variable() -> None:
+    """File-provisioned dashboards get no ``__inputs`` substitution, so the data source is a
+    dashboard variable that defaults to Grafana's Prometheus data source."""
+    dash = json.loads(DASHBOARD.read_text())
+    assert "__inputs" not in dash and "${DS_" not in DASHBOARD.read_text()
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    expected = {"type": "prometheus", "uid": "${datasource}"}
+    for p in dash["panels"]:
+        assert p["datasource"] == expected, p["title"]
+        assert all(t["datasource"] == expected for t in p["targets"]), p["title"]
+
+
 def test_remote_metrics_move(engines: tuple[Engine, Engine, str, str]) -> None:
     a, b, _store, _index = engines
     ra, rb = a.registry, b.registry

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs the system programs the test suite starts as real processes, when missing:
+# redis-server (the index) and prometheus (the live dashboard test). Debian/Ubuntu apt only;
+# elsewhere it names what to install and fails.
+set -euo pipefail
+
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+if ((${#missing[@]} == 0)); then
+    exit 0
+fi
+echo "system-deps: installing ${missing[*]}"
+if ! command -v apt-get >/dev/null 2>&1; then
+    echo "system-deps: no apt-get here; install ${missing[*]} with your package manager" >&2
+    exit 1
+fi
+SUDO=""
+if [ "$(id -u)" != "0" ]; then
+    command -v sudo >/dev/null 2>&1 || {
+        echo "system-deps: not root and no sudo; install ${missing[*]} yourself" >&2
+        exit 1
+    }
+    SUDO="sudo"
+fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -q
+# --no-install-recommends keeps prometheus to its own package (no node exporter, no SNMP)
+$SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
