@@ -8,6 +8,7 @@ cached prefix in one round trip and pull it instead of recomputing the prefill.
 from .client import ChunkRef, KVCloud, Match, PullResult, PushResult, SessionRecord
 from .config import KVCloudConfig
 from .errors import (
+    BatchSizeError,
     ConfigError,
     CorruptObjectError,
     IndexBackendError,
@@ -19,12 +20,14 @@ from .errors import (
     SessionNotFoundError,
     StoreError,
     StoreUnavailableError,
+    UnsupportedCacheError,
 )
 from .namespace import Namespace, chunk_fingerprints, derive_tenant_key
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchSizeError",
     "ChunkRef",
     "ConfigError",
     "CorruptObjectError",
@@ -44,6 +47,7 @@ __all__ = [
     "SessionRecord",
     "StoreError",
     "StoreUnavailableError",
+    "UnsupportedCacheError",
     "__version__",
     "chunk_fingerprints",
     "derive_tenant_key",

@@ -84,6 +84,17 @@ class IndexUnavailableError(IndexBackendError):
     """The index could not be reached or timed out."""
 
 
+class UnsupportedCacheError(KVCloudError, ValueError):
+    """A framework KV cache kvcloud cannot read or fill exactly: a layer type that does not
+    hold the K and V of every past token (a sliding window that already dropped early tokens,
+    a quantized or linear-attention layer), or a model whose KV does not follow from its
+    token ids alone. Raised instead of storing or restoring KV that would be wrong."""
+
+
+class BatchSizeError(UnsupportedCacheError):
+    """Prefix KV is keyed by one token sequence, so a cache or prompt batch must hold one."""
+
+
 class SessionNotFoundError(KVCloudError, KeyError):
     """No session record exists for this tenant and session id."""
 
@@ -93,6 +104,7 @@ class SessionNotFoundError(KVCloudError, KeyError):
 
 __all__ = [
     "BadMagicError",
+    "BatchSizeError",
     "CodecError",
     "ConfigError",
     "CorruptObjectError",
@@ -109,6 +121,7 @@ __all__ = [
     "StoreError",
     "StoreUnavailableError",
     "TruncatedObjectError",
+    "UnsupportedCacheError",
     "UnsupportedVersionError",
 ]
 

@@ -52,6 +52,21 @@ _ENGINE_FLAGS: list[tuple[str, str, type, str, str]] = [
         "N",
         "seed of the preset's weights; workers must agree to share KV [$KVCLOUD_WORKER_SEED]",
     ),
+    (
+        "--model-path",
+        "model_path",
+        str,
+        "DIR",
+        "local Hugging Face checkpoint (Llama, Qwen2, Mistral; safetensors, tokenizer.json); "
+        "replaces --model [$KVCLOUD_WORKER_MODEL_PATH]",
+    ),
+    (
+        "--model-dtype",
+        "model_dtype",
+        str,
+        "DTYPE",
+        "with --model-path: auto | float32 | bfloat16 | float16 [$KVCLOUD_MODEL_DTYPE]",
+    ),
     ("--store", "store", str, "URL", "kvcloud object store URL, or none [$KVCLOUD_STORE]"),
     ("--index", "index", str, "URL", "kvcloud index URL [$KVCLOUD_INDEX]"),
     ("--worker-id", "worker_id", str, "ID", "name in logs, metrics, /healthz [$KVCLOUD_WORKER_ID]"),

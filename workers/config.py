@@ -27,6 +27,13 @@ class WorkerOptions:
     seed: int = field(default=0, metadata={"env": "KVCLOUD_WORKER_SEED"})
     """Seed of the preset's random weights; workers must agree to share KV."""
 
+    model_path: str | None = field(default=None, metadata={"env": "KVCLOUD_WORKER_MODEL_PATH"})
+    """Local Hugging Face checkpoint directory (Llama, Qwen2, Mistral); replaces the preset."""
+
+    model_dtype: str = field(default="auto", metadata={"env": "KVCLOUD_MODEL_DTYPE"})
+    """Weights/compute dtype for --model-path: auto (float32 on CPU, the checkpoint's on
+    CUDA), float32, bfloat16 or float16."""
+
     store: str | None = field(default=None, metadata={"env": "KVCLOUD_STORE"})
     """kvcloud object store URL; unset or "none" runs without a store (local cache only)."""
 
@@ -94,6 +101,10 @@ class WorkerOptions:
             raise ValueError("chunk_tokens must be positive")
         if self.kv_dtype not in ("float16", "bfloat16", "float32"):
             raise ValueError("kv_dtype must be float16, bfloat16 or float32")
+        if self.model_dtype not in ("auto", "float16", "bfloat16", "float32"):
+            raise ValueError("model_dtype must be auto, float16, bfloat16 or float32")
+        if self.model_path is not None and not self.model_path.strip():
+            self.model_path = None
         if self.store is not None and not self.index:
             raise ValueError("a store needs an index (--index or KVCLOUD_INDEX)")
         # ApiKeyError is a ValueError, so the CLI reports it as a configuration error

@@ -11,6 +11,7 @@ private page (a partial tail, or a copy made before writing into a shared page).
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import threading
@@ -19,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -44,9 +46,9 @@ from .errors import (
     SessionUnknownError,
     StoreUnavailableError,
 )
-from .model import Decoder, ModelConfig, preset, sample
+from .model import Decoder, preset, sample
 from .pages import CachedPage, PagePool, PrefixCache, SeqPages
-from .tokenizer import ByteTokenizer
+from .tokenizer import ByteTokenizer, Tokenizer
 from .types import CompletionRequest, CompletionResult, FlushResult, SessionInfo
 from .uploader import Uploader, UploadItem
 
@@ -205,6 +207,16 @@ class _TimedPushes:
         return getattr(self._kv, name)
 
 
+def _checkpoint_dtype(path: Path) -> str:
+    """The dtype the checkpoint was saved in (config.json "dtype" or "torch_dtype")."""
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return "float32"  # model_config() reports the real problem right after
+    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return name if name in ("float32", "bfloat16", "float16") else "float32"
+
+
 class Engine:
     def __init__(self, options: WorkerOptions) -> None:
         self.options = options
@@ -214,21 +226,28 @@ class Engine:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        self.cfg: ModelConfig = preset(options.model, options.seed)
-        self.model = Decoder(self.cfg, self.device)
+        self.tokenizer: Tokenizer
+        if options.model_path:
+            model_id, revision, extra = self._load_checkpoint(Path(options.model_path))
+        else:
+            self.cfg = preset(options.model, options.seed)
+            self.model = Decoder(self.cfg, self.device)
+            self.tokenizer = ByteTokenizer()
+            model_id = f"kvcloud-preset-{self.cfg.name}"
+            revision = f"seed-{self.cfg.seed}"
+            extra = f"rope_theta={self.cfg.rope_theta}"
         self.model_name = self.cfg.name
         self.max_context = self.cfg.max_context
-        self.tokenizer = ByteTokenizer()
         self.c = options.chunk_tokens
         self.ns = Namespace(
-            model=f"kvcloud-preset-{self.cfg.name}",
-            revision=f"seed-{self.cfg.seed}",
+            model=model_id,
+            revision=revision,
             num_layers=self.cfg.n_layers,
             num_kv_heads=self.cfg.n_kv_heads,
             head_dim=self.cfg.head_dim,
             dtype=options.kv_dtype,
             chunk_tokens=self.c,
-            extra=f"rope_theta={self.cfg.rope_theta}",
+            extra=extra,
         )
         self.pool = PagePool(options.cache_pages, self.cfg, self.c, options.kv_dtype, self.device)
         self.prefix = PrefixCache()
@@ -286,6 +305,25 @@ class Engine:
         if key is None:
             key = self._tenant_keys[tenant] = derive_tenant_key(self._secret, tenant)
         return key
+
+    def _load_checkpoint(self, path: Path) -> tuple[str, str, str]:
+        """Model, tokenizer and the namespace fields of a Hugging Face checkpoint."""
+        from . import hf
+
+        if not path.is_dir():
+            raise hf.CheckpointError(f"--model-path {path} is not a directory")
+        dtype_name = self.options.model_dtype
+        if dtype_name == "auto":
+            # CPU matmuls in bf16/fp16 are slow and less exact; a GPU runs the checkpoint's
+            dtype_name = "float32" if self.device.type == "cpu" else _checkpoint_dtype(path)
+        self.cfg, self.model, digest = hf.load_model(path, self.device, getattr(torch, dtype_name))
+        self.tokenizer = hf.HFTokenizer(
+            path, vocab_size=self.cfg.vocab_size, extra_eos=hf.generation_eos(path)
+        )
+        model_type = json.loads((path / "config.json").read_text())["model_type"]
+        # the compute dtype changes the KV bytes as much as the weights do
+        extra = f"{hf.namespace_extra(self.cfg)};compute={dtype_name}"
+        return f"hf-{model_type}", f"sha256-{digest}", extra
 
     def _fps(self, tokens: list[int], tenant: str) -> list[bytes]:
         return chunk_fingerprints(self.ns, tokens, self._tenant_key(tenant))
@@ -645,7 +683,7 @@ class Engine:
             self.sessions.move_to_end(key)
         history = list(sess.tokens) if sess else []
         new = list(req.prompt_tokens)
-        if req.add_bos and not history:
+        if req.add_bos and not history and self.tokenizer.bos_id is not None:
             new = [self.tokenizer.bos_id, *new]
         if not new:
             raise BadRequestError("the prompt is empty")
@@ -734,7 +772,7 @@ class Engine:
             tok = sample(logits, req.temperature, g)
             gen.append(tok)
             all_tokens.append(tok)
-            if req.stop_at_eos and tok == self.tokenizer.eos_id:
+            if req.stop_at_eos and tok in self.tokenizer.eos_ids:
                 finish = "stop"
                 break
             if len(gen) >= req.max_tokens:

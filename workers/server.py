@@ -75,8 +75,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .auth import ApiKeys, redact_credentials_in_logs
-from .errors import ContextLengthError, WorkerError
-from .tokenizer import apply_chat_template
+from .errors import BadRequestError, ContextLengthError, WorkerError
 from .types import CompletionRequest, CompletionResult
 
 if TYPE_CHECKING:
@@ -801,13 +800,17 @@ def create_app(engine: "Engine") -> FastAPI:
             }
             for m in body.messages
         ]
-        tokens = tokenizer.encode(apply_chat_template(messages))
+        try:
+            rendered = tokenizer.apply_chat_template(messages)
+        except ValueError as exc:  # no template, or the template's raise_exception()
+            raise BadRequestError(str(exc)) from None
+        tokens = tokenizer.encode(rendered)
         max_tokens = (
             body.max_completion_tokens
             if body.max_completion_tokens is not None
             else body.max_tokens
         )
-        res = generate(request, body, tokens, True, max_tokens)
+        res = generate(request, body, tokens, tokenizer.chat_adds_bos, max_tokens)
         return ChatCompletionResponse(
             id=f"chatcmpl-{uuid.uuid4().hex}",
             object="chat.completion",

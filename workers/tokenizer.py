@@ -10,12 +10,38 @@ Chat template (one turn per message, then the assistant's cue)::
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+
+class Tokenizer(Protocol):
+    """What the engine and the HTTP API need from a tokenizer (presets: ByteTokenizer;
+    Hugging Face checkpoints: workers.hf.HFTokenizer)."""
+
+    vocab_size: int
+    bos_id: int | None  # prepended to a new sequence's text prompt; None: the model has none
+    eos_ids: frozenset[int]  # generation stops at any of these (unless ignore_eos)
+    chat_adds_bos: bool  # True: the engine adds BOS to a chat prompt; False: the template does
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str: ...
 
 
 class ByteTokenizer:
-    bos_id = 256
+    bos_id: int | None = 256
     eos_id = 257
+    eos_ids: frozenset[int] = frozenset({257})
     vocab_size = 258
+    chat_adds_bos = True
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        return apply_chat_template(messages, add_generation_prompt)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))

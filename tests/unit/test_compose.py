@@ -168,7 +168,13 @@ def test_services_healthchecks_and_named_volumes(compose: dict[str, Any]) -> Non
         for dep in svc.get("depends_on", {}):
             assert dep in services, f"{name} depends on unknown service {dep}"
         for vol in svc.get("volumes", []):
-            source = vol.split(":", 1)[0]
+            m = re.match(r"^\$\{(\w+):-([^}]*)\}:", vol)
+            if m:  # a host path the user may set in .env: its default must exist
+                assert m.group(1) in _env_example(), f"{m.group(1)} missing from .env.example"
+                source = m.group(2)
+                assert source.startswith("."), vol
+            else:
+                source = vol.split(":", 1)[0]
             if source.startswith("."):
                 assert (ROOT / source).exists(), f"{name} mounts missing {source}"
             else:

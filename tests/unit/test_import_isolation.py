@@ -1,0 +1,43 @@
+"""kvcloud works on numpy arrays: importing it, or its framework integrations, must not load
+torch or transformers (a store/index client should not pay for, or require, either)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("torch", "transformers")
+
+CHECK = """
+import sys
+{imports}
+loaded = sorted({{m.split(".")[0] for m in sys.modules}} & {heavy!r})
+print(",".join(loaded))
+"""
+
+
+def loaded_after(*modules: str) -> list[str]:
+    code = CHECK.format(imports="\n".join(f"import {m}" for m in modules), heavy=set(HEAVY))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    return [m for m in proc.stdout.strip().split(",") if m]
+
+
+@pytest.mark.parametrize(
+    "modules",
+    [
+        ("kvcloud", "kvcloud.integrations"),
+        ("kvcloud.integrations.transformers",),
+    ],
+)
+def test_kvcloud_imports_no_torch_or_transformers(modules: tuple[str, ...]) -> None:
+    assert loaded_after(*modules) == []
+
+
+def test_the_check_sees_a_heavy_import() -> None:
+    """The check above can fail: it does report torch when something imports it."""
+    pytest.importorskip("torch")
+    assert loaded_after("kvcloud", "torch") == ["torch"]
