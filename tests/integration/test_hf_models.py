@@ -318,3 +318,37 @@ def test_cli_reports_a_bad_model_path_in_one_line(tmp_path: Path) -> None:
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
     assert "is not a directory" in r.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("form", ["string", "named-list"])
+def test_chat_template_from_tokenizer_config(
+    form: str, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """Checkpoints saved by transformers 4.x keep the template in tokenizer_config.json (a
+    string, or a list of named templates of which "default" serves chat), not in
+    chat_template.jinja."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["llama"], path)
+    jinja = path / "chat_template.jinja"
+    template = jinja.read_text()
+    jinja.unlink()
+    tc_file = path / "tokenizer_config.json"
+    tc = json.loads(tc_file.read_text())
+    if form == "string":
+        tc["chat_template"] = template
+    else:
+        tc["chat_template"] = [
+            {"name": "tool_use", "template": "{{ raise_exception('not this one') }}"},
+            {"name": "default", "template": template},
+        ]
+    tc_file.write_text(json.dumps(tc))
+    messages = [{"role": "user", "content": "Hello!"}]
+    ours = HFTokenizer(path, vocab_size=400)
+    want = HFTokenizer(checkpoints["llama"], vocab_size=400).apply_chat_template(messages)
+    assert ours.apply_chat_template(messages) == want
+    assert want.startswith("<s><|start_header_id|>user")
+    # without any template, chat is refused with a clear message (HTTP 400 in the server)
+    del tc["chat_template"]
+    tc_file.write_text(json.dumps(tc))
+    with pytest.raises(ValueError, match="no chat template"):
+        HFTokenizer(path, vocab_size=400).apply_chat_template(messages)
