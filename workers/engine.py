@@ -11,7 +11,6 @@ private page (a partial tail, or a copy made before writing into a shared page).
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import threading
@@ -207,16 +206,6 @@ class _TimedPushes:
         return getattr(self._kv, name)
 
 
-def _checkpoint_dtype(path: Path) -> str:
-    """The dtype the checkpoint was saved in (config.json "dtype" or "torch_dtype")."""
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return "float32"  # model_config() reports the real problem right after
-    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    return name if name in ("float32", "bfloat16", "float16") else "float32"
-
-
 class Engine:
     def __init__(self, options: WorkerOptions) -> None:
         self.options = options
@@ -310,20 +299,19 @@ class Engine:
         """Model, tokenizer and the namespace fields of a Hugging Face checkpoint."""
         from . import hf
 
-        if not path.is_dir():
-            raise hf.CheckpointError(f"--model-path {path} is not a directory")
+        ckpt = hf.inspect_checkpoint(path)
         dtype_name = self.options.model_dtype
         if dtype_name == "auto":
             # CPU matmuls in bf16/fp16 are slow and less exact; a GPU runs the checkpoint's
-            dtype_name = "float32" if self.device.type == "cpu" else _checkpoint_dtype(path)
-        self.cfg, self.model, digest = hf.load_model(path, self.device, getattr(torch, dtype_name))
+            dtype_name = "float32" if self.device.type == "cpu" else ckpt.saved_dtype
+        self.cfg = ckpt.cfg
+        self.model, digest = hf.load_model(ckpt, self.device, getattr(torch, dtype_name))
         self.tokenizer = hf.HFTokenizer(
-            path, vocab_size=self.cfg.vocab_size, extra_eos=hf.generation_eos(path)
+            path, vocab_size=self.cfg.vocab_size, extra_eos=ckpt.eos_ids
         )
-        model_type = json.loads((path / "config.json").read_text())["model_type"]
         # the compute dtype changes the KV bytes as much as the weights do
         extra = f"{hf.namespace_extra(self.cfg)};compute={dtype_name}"
-        return f"hf-{model_type}", f"sha256-{digest}", extra
+        return f"hf-{ckpt.model_type}", f"sha256-{digest}", extra
 
     def _fps(self, tokens: list[int], tenant: str) -> list[bytes]:
         return chunk_fingerprints(self.ns, tokens, self._tenant_key(tenant))

@@ -92,9 +92,45 @@ def _sliding_windows(cfg: Mapping[str, Any], model_type: str, layers: int) -> tu
     return per_layer if any(w is not None for w in per_layer) else ()
 
 
-def model_config(path: Path) -> ModelConfig:
-    cfg = _read_json(path / "config.json")
-    model_type = str(cfg.get("model_type", ""))
+@dataclass(frozen=True)
+class Checkpoint:
+    """What config.json (read once) and generation_config.json say about a checkpoint."""
+
+    path: Path
+    cfg: ModelConfig
+    model_type: str
+    saved_dtype: str  # float32 | bfloat16 | float16: what the weights were written in
+    eos_ids: tuple[int, ...]  # from generation_config.json and config.json
+
+
+def inspect_checkpoint(path: Path) -> Checkpoint:
+    if not path.is_dir():
+        raise CheckpointError(f"--model-path {path} is not a directory")
+    raw = _read_json(path / "config.json")
+    model_type = str(raw.get("model_type", ""))
+    saved = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    eos = _eos_ids(raw)
+    if (path / "generation_config.json").exists():
+        eos = _eos_ids(_read_json(path / "generation_config.json")) + eos
+    return Checkpoint(
+        path=path,
+        cfg=_model_config(raw, path, model_type),
+        model_type=model_type,
+        saved_dtype=saved if saved in ("float32", "bfloat16", "float16") else "float32",
+        eos_ids=tuple(eos),
+    )
+
+
+def _eos_ids(raw: Mapping[str, Any]) -> list[int]:
+    value = raw.get("eos_token_id")
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int)]
+    return []
+
+
+def _model_config(cfg: Mapping[str, Any], path: Path, model_type: str) -> ModelConfig:
     if model_type not in SUPPORTED_TYPES:
         raise CheckpointError(
             f"{path / 'config.json'}: model_type {model_type!r} is not supported "
@@ -128,11 +164,11 @@ def model_config(path: Path) -> ModelConfig:
             rope_params=tuple(sorted(rope_params.items())),
             sliding_windows=_sliding_windows(cfg, model_type, n_layers),
         )
+    except CheckpointError:
+        raise
     except KeyError as exc:
         raise CheckpointError(f"{path / 'config.json'} lacks {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
-        if isinstance(exc, CheckpointError):
-            raise
         raise CheckpointError(f"{path / 'config.json'}: {exc}") from None
 
 
@@ -213,13 +249,11 @@ def iter_weights(files: Sequence[Path], cfg: ModelConfig) -> Iterator[tuple[str,
             yield ours, t
 
 
-def load_model(
-    path: Path, device: torch.device, dtype: torch.dtype
-) -> tuple[ModelConfig, Any, str]:
-    """(config, Decoder with the checkpoint's weights, weights digest)."""
+def load_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> tuple[Any, str]:
+    """(Decoder with the checkpoint's weights, weights digest)."""
     from .model import Decoder
 
-    cfg = model_config(path)
+    cfg, path = ckpt.cfg, ckpt.path
     files = weight_files(path)
     t0 = time.perf_counter()
     digest = weights_digest(files)
@@ -237,7 +271,7 @@ def load_model(
         t1 - t0,
         time.perf_counter() - t1,
     )
-    return cfg, model, digest
+    return model, digest
 
 
 # --- tokenizer and chat template -----------------------------------------------------------
@@ -280,12 +314,7 @@ class HFTokenizer:
         # (Llama); Qwen2 adds none. Ask the tokenizer instead of guessing from names.
         probe_plain = self._tok.encode("a", add_special_tokens=False).ids
         probe_special = self._tok.encode("a", add_special_tokens=True).ids
-        self.bos_id: int | None = (
-            probe_special[0]
-            if len(probe_special) > len(probe_plain)
-            and probe_special[-len(probe_plain) :] == probe_plain
-            else None
-        )
+        self.bos_id: int | None = probe_special[0] if probe_special[1:] == probe_plain else None
         eos = set(self.extra_eos)
         if self.eos_token is not None and (i := self._tok.token_to_id(self.eos_token)) is not None:
             eos.add(i)
@@ -358,21 +387,6 @@ def _compile_template(source: str) -> Any:
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
-
-
-def generation_eos(path: Path) -> list[int]:
-    """eos_token_id(s) from generation_config.json and config.json (int or list)."""
-    ids: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        f = path / name
-        if not f.exists():
-            continue
-        value = _read_json(f).get("eos_token_id")
-        if isinstance(value, int):
-            ids.append(value)
-        elif isinstance(value, list):
-            ids.extend(v for v in value if isinstance(v, int))
-    return ids
 
 
 def namespace_extra(cfg: ModelConfig) -> str:

@@ -18,7 +18,7 @@ import torch
 from tests.hf_models import build_checkpoint, to_v4_config
 from workers.config import WorkerOptions
 from workers.engine import Engine
-from workers.hf import CheckpointError, HFTokenizer, model_config
+from workers.hf import CheckpointError, HFTokenizer, inspect_checkpoint
 from workers.pages import SeqPages
 from workers.types import CompletionRequest
 
@@ -149,7 +149,7 @@ def test_session_moves_between_workers_bit_identical(
     variant: str, checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
     path = checkpoints[variant]
-    vocab = model_config(path).vocab_size
+    vocab = inspect_checkpoint(path).cfg.vocab_size
     turns = [_ids(41, vocab, 1), _ids(23, vocab, 2), _ids(37, vocab, 3)]
 
     def talk(e: Engine, sid: str, ts: list[list[int]]) -> list[list[int]]:
