@@ -320,7 +320,17 @@ class HFTokenizer:
             eos.add(i)
         self.eos_ids: frozenset[int] = frozenset(eos)
         self.chat_template = self._find_template(tc)
+        # compiled at start: a template that does not parse is the checkpoint's fault and
+        # should stop the worker, not turn every chat request into a 500
         self._compiled: Any = None
+        if self.chat_template is not None:
+            from jinja2 import TemplateError
+
+            try:
+                self._compiled = _compile_template(self.chat_template)
+            except TemplateError as exc:
+                msg = f"{self.path}: the chat template does not parse ({exc})"
+                raise CheckpointError(msg) from None
 
     def _find_template(self, tc: Mapping[str, Any]) -> str | None:
         jinja = self.path / "chat_template.jinja"
@@ -348,8 +358,8 @@ class HFTokenizer:
             raise ValueError(
                 f"the checkpoint at {self.path} has no chat template; use /v1/completions"
             )
-        if self._compiled is None:
-            self._compiled = _compile_template(self.chat_template)
+        from jinja2 import TemplateError
+
         try:
             return str(
                 self._compiled.render(
@@ -360,7 +370,9 @@ class HFTokenizer:
                     tools=None,
                 )
             )
-        except _TemplateRaised as exc:
+        except (_TemplateRaised, TemplateError) as exc:
+            # raise_exception(), or the sandbox refusing what the template (given these
+            # messages) tried: the request's problem, reported as a 400
             raise ValueError(f"chat template: {exc}") from None
 
 

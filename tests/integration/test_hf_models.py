@@ -352,3 +352,25 @@ def test_chat_template_from_tokenizer_config(
     tc_file.write_text(json.dumps(tc))
     with pytest.raises(ValueError, match="no chat template"):
         HFTokenizer(path, vocab_size=400).apply_chat_template(messages)
+
+
+def test_broken_or_hostile_chat_templates_are_clear_errors(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """A template that does not parse stops the worker at start (CheckpointError); one the
+    sandbox stops at render time is the request's error (ValueError, a 400 in the server),
+    never an unhandled exception."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["llama"], path)
+    jinja = path / "chat_template.jinja"
+    jinja.write_text("{% for message in messages %}{{ message['content'] }")
+    with pytest.raises(CheckpointError, match="chat template does not parse"):
+        HFTokenizer(path, vocab_size=400)
+    # reaching into Python internals is refused by the sandbox
+    jinja.write_text("{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    tok = HFTokenizer(path, vocab_size=400)
+    with pytest.raises(ValueError, match="chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    jinja.write_text("{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(ValueError, match="roles must alternate"):
+        HFTokenizer(path, vocab_size=400).apply_chat_template([{"role": "user", "content": "x"}])
