@@ -1,0 +1,124 @@
+"""Settings of the vLLM connector: ``kv_connector_extra_config`` over ``KVCLOUD_*`` variables.
+
+Each field names its environment variable; a key of the same name in
+``--kv-transfer-config '{"kv_connector_extra_config": {...}}'`` wins over the variable. The
+master secret is read from ``KVCLOUD_SECRET`` only: a secret in a command line ends up in
+``ps`` output and in vLLM's own config log.
+
+No vLLM or torch import here, so the settings can be checked (and tested) without either.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ...config import KVCloudConfig, env_values
+from ...errors import ConfigError
+from ...namespace import DEFAULT_CHUNK_TOKENS
+
+WRITE_POLICIES = ("write-through", "off")
+
+
+@dataclass
+class VLLMConnectorConfig:
+    """What ``KVCloudConnector`` reads at start (scheduler and worker processes alike)."""
+
+    store: str = field(default="", metadata={"env": "KVCLOUD_STORE"})
+    """Object store URL (``s3://bucket/prefix?endpoint_url=…``, ``file:///path``); empty:
+    kvcloud's default ``file://~/.cache/kvcloud/objects``."""
+
+    index: str = field(default="", metadata={"env": "KVCLOUD_INDEX"})
+    """Index URL (``redis://host:6379/0``, ``redis+cluster://…``, ``sqlite:///path``); empty:
+    kvcloud's default ``sqlite://~/.cache/kvcloud/index.db``."""
+
+    tenant: str = field(default="default", metadata={"env": "KVCLOUD_TENANT"})
+    """Tenant whose fingerprint key this vLLM uses. A request's ``cache_salt`` is folded into
+    it, so requests with different salts never share KV."""
+
+    chunk_tokens: int = field(
+        default=DEFAULT_CHUNK_TOKENS, metadata={"env": "KVCLOUD_CHUNK_TOKENS"}
+    )
+    """Tokens per stored segment; a multiple of vLLM's ``--block-size`` (checked at start)."""
+
+    write_policy: str = field(default="write-through", metadata={"env": "KVCLOUD_WRITE_POLICY"})
+    """``write-through``: push every new full prompt chunk after its prefill; ``off``: only
+    read. (vLLM does not tell a connector when it evicts a block, so write-back on eviction,
+    the kvcloud worker's default, is not available here.)"""
+
+    load_timeout: float = field(default=10.0, metadata={"env": "KVCLOUD_LOAD_TIMEOUT"})
+    """Seconds a forward pass waits for a restore before giving up on it; the blocks not
+    loaded by then are recomputed."""
+
+    upload_queue: int = field(default=64, metadata={"env": "KVCLOUD_UPLOAD_QUEUE"})
+    """Chunks waiting for upload at most; when full, new ones are dropped and counted."""
+
+    min_hit_tokens: int = field(default=0, metadata={"env": "KVCLOUD_MIN_HIT_TOKENS"})
+    """A kvcloud hit shorter than this (beyond vLLM's own prefix cache) is not loaded."""
+
+    codec: str = field(default="raw", metadata={"env": "KVCLOUD_CODEC"})
+    """Codec for new segments: raw, zstd or lz4 (lossless)."""
+
+    weights_digest: str = field(default="", metadata={"env": "KVCLOUD_WEIGHTS_DIGEST"})
+    """Pins the weights in the namespace. Empty: SHA-256 over the checkpoint's weight files
+    (read once at start); set it to a known digest to skip reading large checkpoints."""
+
+    max_connections: int = field(default=16, metadata={"env": "KVCLOUD_MAX_CONNECTIONS"})
+    """Parallel transfers per process."""
+
+    connect_timeout: float = field(default=2.0, metadata={"env": "KVCLOUD_CONNECT_TIMEOUT"})
+    """Seconds to connect to the store or index."""
+
+    read_timeout: float = field(default=5.0, metadata={"env": "KVCLOUD_READ_TIMEOUT"})
+    """Seconds to wait for a store or index reply: bounds how long the scheduler's lookup
+    can stall."""
+
+    @classmethod
+    def load(
+        cls, extra: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+    ) -> VLLMConnectorConfig:
+        values = env_values(cls, env)
+        known = {f.name for f in fields(cls)}
+        for key, value in (extra or {}).items():
+            if key in ("secret", "KVCLOUD_SECRET"):
+                raise ConfigError(
+                    "kv_connector_extra_config must not carry the secret; set KVCLOUD_SECRET"
+                )
+            if key not in known:
+                raise ConfigError(
+                    f"unknown kv_connector_extra_config key {key!r}; known: "
+                    + ", ".join(sorted(known))
+                )
+            values[key] = value
+        return cls(**values)
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_tokens", "upload_queue", "max_connections"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("load_timeout", "connect_timeout", "read_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or value <= 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ConfigError(
+                f"write_policy {self.write_policy!r}: use one of {', '.join(WRITE_POLICIES)}"
+            )
+        if not isinstance(self.min_hit_tokens, int) or self.min_hit_tokens < 0:
+            raise ConfigError(f"min_hit_tokens must be >= 0, got {self.min_hit_tokens!r}")
+
+    def client_config(self, env: Mapping[str, str] | None = None) -> KVCloudConfig:
+        """The kvcloud client settings (secret and encryption from the environment)."""
+        return KVCloudConfig.from_env(
+            env=dict(os.environ if env is None else env),
+            store=self.store or None,
+            index=self.index or None,
+            tenant=self.tenant,
+            codec=self.codec,
+            max_connections=self.max_connections,
+            connect_timeout=self.connect_timeout,
+            read_timeout=self.read_timeout,
+        )

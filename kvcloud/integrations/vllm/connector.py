@@ -1,0 +1,196 @@
+"""``KVCloudConnector``: vLLM's ``KVConnectorBase_V1`` over kvcloud.
+
+vLLM builds the connector twice: in the scheduler process (role SCHEDULER: decides, no
+tensors) and in each worker process (role WORKER: moves bytes). This class only routes each
+call to the side that owns it (scheduler.py, worker.py); the KV layout lives in layout.py
+and the namespace in keys.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ...client import KVCloud
+from ...errors import KVCloudError
+from .config import VLLMConnectorConfig
+from .keys import check_supported, vllm_namespace
+from .metadata import KVCloudConnectorMetadata, KVCloudConnectorStats, KVCloudPromMetrics
+from .scheduler import SchedulerSide
+from .worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("kvcloud.vllm")
+
+# kvcloud client counters forwarded to vLLM's metrics under their own names
+_CLIENT_COUNTERS = ("missing_objects", "verify_failures", "store_errors")
+
+
+class KVCloudConnectorError(KVCloudError, RuntimeError):
+    """The connector cannot start (bad settings, unsupported model or cache)."""
+
+
+class KVCloudConnector(KVConnectorBase_V1):
+    """Shares vLLM's prompt KV across processes and machines through kvcloud."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._client_seen: Counter[str] = Counter()
+        try:
+            cfg = VLLMConnectorConfig.load(self._kv_transfer_config.kv_connector_extra_config)
+            block_size = int(vllm_config.cache_config.block_size)
+            if cfg.chunk_tokens % block_size:
+                raise KVCloudConnectorError(
+                    f"chunk_tokens {cfg.chunk_tokens} is not a multiple of vLLM's block size "
+                    f"{block_size}: set kv_connector_extra_config.chunk_tokens (or "
+                    "KVCLOUD_CHUNK_TOKENS) to a multiple of --block-size"
+                )
+            check_supported(vllm_config, kv_cache_config)
+            ns = vllm_namespace(vllm_config, cfg)
+            client = KVCloud.open(config=cfg.client_config())
+        except KVCloudError as exc:
+            # one line that says what to change; vLLM then stops the engine
+            msg = f"kvcloud connector cannot start: {exc}"
+            log.error(msg)
+            raise KVCloudConnectorError(msg) from None
+        self.ns = ns
+        self.client = client
+        if role == KVConnectorRole.SCHEDULER:
+            # a failed kvcloud load is a miss: vLLM must recompute, not fail the request
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            self._scheduler = SchedulerSide(cfg, ns, client, block_size)
+        else:
+            self._worker = WorkerSide(cfg, ns, client, vllm_config, kv_cache_config)
+        log.info(
+            "kvcloud connector (%s): store %s, index %s, namespace %s (%s, %d layers, "
+            "%d KV heads × %d, %s, chunk %d tokens), writes %s",
+            role.name.lower(),
+            client.store.url,
+            client.index.url,
+            ns.id,
+            ns.model,
+            ns.num_layers,
+            ns.num_kv_heads,
+            ns.head_dim,
+            ns.dtype,
+            ns.chunk_tokens,
+            cfg.write_policy,
+        )
+
+    # -- worker side ------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        try:
+            self._worker.register_kv_caches(kv_caches)
+        except KVCloudError as exc:
+            msg = f"kvcloud connector cannot start: {exc}"
+            log.error(msg)
+            raise KVCloudConnectorError(msg) from None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if self._worker is not None and isinstance(meta, KVCloudConnectorMetadata):
+            self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._worker is not None:
+            self._worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        meta = self._connector_metadata
+        if self._worker is not None and isinstance(meta, KVCloudConnectorMetadata):
+            self._worker.save_kv_layer(meta, layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None:
+            self._worker.wait_for_save()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set() if self._worker is None else self._worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> KVCloudConnectorStats | None:
+        side = self._worker or self._scheduler
+        if side is None:
+            return None
+        data = Counter(side.take_stats())
+        totals = self.client.stats()
+        for name in _CLIENT_COUNTERS:
+            delta = totals.get(name, 0) - self._client_seen[name]
+            if delta:
+                data[name] += delta
+                self._client_seen[name] = totals.get(name, 0)
+        if not any(data.values()):
+            return None
+        return KVCloudConnectorStats(data=dict(data))
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        else:
+            try:
+                self.client.close()
+            except KVCloudError as exc:
+                log.warning("kvcloud: closing the client: %s", exc)
+
+    # -- scheduler side ---------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        try:
+            return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens), False
+        except Exception as exc:  # a lookup problem is a miss, never a failed request
+            log.warning("kvcloud lookup for %s failed: %s", request.request_id, exc)
+            return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is not None:
+            self._scheduler.request_finished(request)
+        return False, None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # a lost push is a future miss, nothing more
+        return False
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVCloudConnectorStats | None:
+        return KVCloudConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVCloudPromMetrics:
+        return KVCloudPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,147 @@
+"""The one place that knows how vLLM lays out its paged KV: learned, not assumed.
+
+kvcloud stores a chunk as ``[layers, 2 (K, V), tokens, kv_heads, head_dim]``, whatever the
+engine's block size. vLLM's per-layer cache tensor differs by attention backend and CPU ISA:
+the CPU backend allocates ``[blocks, heads, block_size, 2 × head_dim]`` and stores K
+transposed inside each block (``[head_dim, block_size]``, for its dot products) but V
+row-major; FlashAttention uses ``[2, blocks, block_size, heads, head_dim]``; others differ
+again. Rather than hard-code those shapes, ``learn_layout`` writes numbered probe values
+through the backend's own cache-write op (``impl.do_kv_cache_update``, the op the forward
+pass uses) into a one-block scratch tensor and reads back where each (K/V, token, head, dim)
+landed. The result is a permutation of one block's elements; gather and scatter are then one
+indexed copy each, for any backend whose block holds a permutation of its KV (every
+unquantized one).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...errors import LayoutError
+
+# probe digits run 1..BASE so a zero in the scratch block means "not written"; every integer
+# up to 256 is exact in float16 and bfloat16
+_BASE = 64
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where one block's K/V elements sit in a layer's cache tensor."""
+
+    block_dim: int  # the axis of the cache tensor that counts blocks
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    # positions[i]: offset, within one block's elements (``cache.select(block_dim, b)``
+    # flattened), of canonical element i of [2, block_size, heads, head_dim]
+    positions: torch.Tensor
+    covers_block: bool  # every element of a block is KV (a scatter needs no read first)
+    natural: bool  # positions == arange: a block already is [2, block_size, heads, dim]
+
+    @property
+    def block_elems(self) -> int:
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim
+
+    def gather(self, cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+        """KV of ``block_ids`` (in token order) as ``[2, n·block_size, heads, head_dim]``."""
+        nb = len(block_ids)
+        ids = torch.as_tensor(block_ids, dtype=torch.long, device=cache.device)
+        flat = cache.index_select(self.block_dim, ids).movedim(self.block_dim, 0).reshape(nb, -1)
+        canon = flat if self.natural else flat[:, self.positions]
+        n, h, d = self.block_size, self.num_kv_heads, self.head_dim
+        return canon.view(nb, 2, n, h, d).transpose(0, 1).reshape(2, nb * n, h, d)
+
+    def scatter(self, cache: torch.Tensor, block_ids: Sequence[int], kv: torch.Tensor) -> None:
+        """Write ``kv`` (``[2, n·block_size, heads, head_dim]``) into ``block_ids``."""
+        nb = len(block_ids)
+        n, h, d = self.block_size, self.num_kv_heads, self.head_dim
+        if tuple(kv.shape) != (2, nb * n, h, d):
+            raise LayoutError(f"expected KV of shape {[2, nb * n, h, d]}, got {list(kv.shape)}")
+        ids = torch.as_tensor(block_ids, dtype=torch.long, device=cache.device)
+        canon = kv.to(cache.dtype).reshape(2, nb, n * h * d).transpose(0, 1).reshape(nb, -1)
+        block_shape = [s for i, s in enumerate(cache.shape) if i != self.block_dim]
+        if self.natural and self.covers_block:
+            flat = canon
+        else:
+            if self.covers_block:
+                flat = torch.empty(nb, math.prod(block_shape), dtype=cache.dtype)
+            else:
+                sel = cache.index_select(self.block_dim, ids).movedim(self.block_dim, 0)
+                flat = sel.reshape(nb, -1).clone()
+            flat[:, self.positions] = canon
+        blocks = flat.view(nb, *block_shape).movedim(0, self.block_dim)
+        cache.index_copy_(self.block_dim, ids, blocks)
+
+
+def find_block_dim(cache: torch.Tensor, num_blocks: int) -> int:
+    dims = [i for i, s in enumerate(cache.shape) if s == num_blocks]
+    if not dims:
+        raise LayoutError(
+            f"no axis of the KV cache tensor {list(cache.shape)} has the {num_blocks} blocks "
+            "vLLM allocated"
+        )
+    # vLLM puts the block axis first, or second after a K/V axis of 2
+    return dims[0]
+
+
+def learn_layout(
+    layer: Any,
+    cache: torch.Tensor,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> BlockLayout:
+    """Learn one layer's block layout by writing probes through ``layer.impl``."""
+    block_dim = find_block_dim(cache, num_blocks)
+    scratch_shape = list(cache.shape)
+    scratch_shape[block_dim] = 1
+    scratch = torch.zeros(scratch_shape, dtype=cache.dtype, device=cache.device)
+    n_elems = 2 * block_size * num_kv_heads * head_dim
+    block_numel = scratch.numel()
+    if block_numel < n_elems:
+        raise LayoutError(
+            f"a block of {list(cache.shape)} holds {block_numel} elements, fewer than the "
+            f"{n_elems} of its K and V: a quantized or packed cache kvcloud cannot read"
+        )
+    index = torch.arange(n_elems, dtype=torch.long)
+    passes = max(1, math.ceil(math.log(n_elems, _BASE)))
+    found = torch.zeros(block_numel, dtype=torch.long)
+    written = torch.ones(block_numel, dtype=torch.bool)
+    slots = torch.arange(block_size, dtype=torch.long, device=cache.device)
+    for p in range(passes):
+        digits = (index // _BASE**p) % _BASE + 1
+        kv = digits.view(2, block_size, num_kv_heads, head_dim).to(cache.dtype)
+        scratch.zero_()
+        layer.impl.do_kv_cache_update(layer, kv[0].contiguous(), kv[1].contiguous(), scratch, slots)
+        seen = scratch.select(block_dim, 0).reshape(-1).to(torch.float64).round().long()
+        written &= seen > 0
+        found += (seen - 1).clamp(min=0) * _BASE**p
+    positions = torch.full((n_elems,), -1, dtype=torch.long)
+    where = torch.nonzero(written).flatten()
+    targets = found[where]
+    if targets.numel() != n_elems or targets.min() < 0 or targets.max() >= n_elems:
+        raise LayoutError(
+            f"could not learn vLLM's KV layout for a cache of {list(cache.shape)} "
+            f"({cache.dtype}): {targets.numel()} of {n_elems} elements were written where "
+            "the probe could find them"
+        )
+    positions[targets] = where
+    if (positions < 0).any():
+        raise LayoutError("vLLM's cache-write op wrote some K/V elements twice")
+    return BlockLayout(
+        block_dim=block_dim,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=cache.dtype,
+        positions=positions,
+        covers_block=block_numel == n_elems,
+        natural=bool(torch.equal(positions, torch.arange(n_elems))),
+    )

