@@ -26,7 +26,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = Path(os.environ.get("KVCLOUD_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
-SMOLLM2 = Path(os.environ.get("KVCLOUD_SMOLLM2", ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"))
+SMOLLM2 = Path(
+    os.environ.get("KVCLOUD_SMOLLM2", ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct")
+)
 CACHE = ROOT / ".cache" / "vllm"
 
 

@@ -1,0 +1,28 @@
+"""Comparisons against the no-connector reference."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scripts.vllm_fleet import completion_ids
+
+# largest difference seen between a restored and a recomputed prefill's token logprobs, per
+# test: reported, not asserted on (identical greedy tokens is the requirement)
+LOGPROB_DIFFS: dict[str, float] = {}
+
+
+def token_logprobs(resp: dict[str, Any]) -> list[float]:
+    lp = resp["choices"][0].get("logprobs") or {}
+    return [float(x) for x in lp.get("token_logprobs") or []]
+
+
+def assert_same_answer(got: dict[str, Any], ref: dict[str, Any], label: str) -> float:
+    """Identical greedy tokens; returns (and records) the largest logprob difference."""
+    assert completion_ids(got) == completion_ids(ref), (
+        f"{label}: {completion_ids(got)} != reference {completion_ids(ref)}"
+    )
+    a, b = token_logprobs(got), token_logprobs(ref)
+    diff = max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
+    LOGPROB_DIFFS[label] = diff
+    print(f"{label}: greedy tokens identical; largest token logprob difference {diff:.2e}")
+    return diff

@@ -1,0 +1,171 @@
+"""Two (and a third, restarted) vLLM servers sharing KV through kvcloud's embedded default
+(file:// store + sqlite:// index), checked against a vLLM without any connector."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvcloud import KVCloud
+from scripts.vllm_fleet import VLLMServer, cached_tokens, kvcloud_transfer_config
+from tests.vllm.conftest import prompt_tokens, start_all
+from tests.vllm.helpers import assert_same_answer
+
+CHUNK = 256
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("embedded")
+    return {
+        "KVCLOUD_STORE": f"file://{d}/objects",
+        "KVCLOUD_INDEX": f"sqlite://{d}/index.db",
+        "KVCLOUD_SECRET": "vllm-test-secret",
+    }
+
+
+@pytest.fixture(scope="module")
+def servers(
+    store: dict[str, str], vllm_logs: Path, checkpoint_copy: Path, reference: VLLMServer
+) -> Iterator[dict[str, VLLMServer]]:
+    cfg = kvcloud_transfer_config()
+    a = VLLMServer("A", vllm_logs / "A.log", transfer=cfg, env=store)
+    b = VLLMServer("B", vllm_logs / "B.log", transfer=cfg, env=store)
+    # the same checkpoint copied elsewhere, and vLLM blocks of 64 tokens instead of 128
+    c = VLLMServer(
+        "C",
+        vllm_logs / "C.log",
+        model=checkpoint_copy,
+        transfer=cfg,
+        env=store,
+        args=["--block-size", "64"],
+    )
+    started = start_all(a, b, c)
+    yield {s.name: s for s in started}
+    for s in started:
+        s.stop()
+
+
+def full_chunks_pushed(prompt_len: int) -> int:
+    return prompt_len // CHUNK * CHUNK
+
+
+def test_second_server_restores_and_answers_like_no_connector(
+    servers: dict[str, VLLMServer], reference: VLLMServer
+) -> None:
+    a, b = servers["A"], servers["B"]
+    prompt = prompt_tokens(2000, seed=1)
+    first = a.complete(prompt, max_tokens=16)
+    assert cached_tokens(first) == 0
+    assert_same_answer(first, reference.complete(prompt, max_tokens=16), "A, cold")
+    assert a.metrics()["chunks_pushed"] >= 7
+
+    turn = prompt + prompt_tokens(120, seed=2)
+    got = b.complete(turn, max_tokens=16)
+    # every full chunk A pushed (7 × 256 of 2,000 tokens) comes from kvcloud
+    assert cached_tokens(got) >= full_chunks_pushed(len(prompt))
+    m = b.metrics()
+    assert m["loaded_tokens"] >= full_chunks_pushed(len(prompt))
+    assert m["load_failed_blocks"] == 0
+    assert_same_answer(got, reference.complete(turn, max_tokens=16), "B, restored")
+
+
+def test_chat_continuation_on_another_server(
+    servers: dict[str, VLLMServer], reference: VLLMServer
+) -> None:
+    import httpx
+
+    a, b = servers["A"], servers["B"]
+    system = "You are a careful assistant. " + " ".join(
+        f"Rule {i}: answer briefly and cite rule {i}." for i in range(120)
+    )
+    messages = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+
+    def chat(server: VLLMServer, msgs: list[dict[str, str]]) -> dict:
+        r = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"model": "smollm2", "messages": msgs, "max_tokens": 24, "temperature": 0},
+            timeout=600,
+        )
+        r.raise_for_status()
+        return r.json()
+
+    first = chat(a, messages)
+    reply = first["choices"][0]["message"]["content"]
+    assert reply == chat(reference, messages)["choices"][0]["message"]["content"]
+    follow = [
+        *messages,
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "And of Italy?"},
+    ]
+    got = chat(b, follow)
+    ref = chat(reference, follow)
+    prompt_len = got["usage"]["prompt_tokens"]
+    assert prompt_len > 1000
+    assert cached_tokens(got) >= full_chunks_pushed(first["usage"]["prompt_tokens"])
+    assert got["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+
+
+def test_other_block_size_and_checkpoint_copy_share(
+    servers: dict[str, VLLMServer], reference: VLLMServer
+) -> None:
+    """Segments pushed by a vLLM with 128-token blocks restore into one with 64-token blocks
+    started from a copy of the checkpoint in another folder."""
+    a, c = servers["A"], servers["C"]
+    prompt = prompt_tokens(1500, seed=3)
+    a.complete(prompt, max_tokens=4)
+    turn = prompt + prompt_tokens(40, seed=4)
+    got = c.complete(turn, max_tokens=16)
+    assert cached_tokens(got) >= full_chunks_pushed(len(prompt))
+    assert_same_answer(got, reference.complete(turn, max_tokens=16), "C, block 64, copy")
+    # and the other way round: C's pushes (64-token blocks) restore into B (128)
+    prompt2 = prompt_tokens(1100, seed=5)
+    c.complete(prompt2, max_tokens=4)
+    got2 = servers["B"].complete([*prompt2, 42, 43, 44], max_tokens=16)
+    assert cached_tokens(got2) >= full_chunks_pushed(len(prompt2))
+    assert_same_answer(
+        got2, reference.complete([*prompt2, 42, 43, 44], max_tokens=16), "B from C's pushes"
+    )
+
+
+def test_cache_salt_separates_tenants(
+    servers: dict[str, VLLMServer], reference: VLLMServer
+) -> None:
+    a, b = servers["A"], servers["B"]
+    prompt = prompt_tokens(1300, seed=6)
+    a.complete(prompt, max_tokens=2, cache_salt="tenant-one")
+    other = b.complete([*prompt, 7, 8], max_tokens=8, cache_salt="tenant-two")
+    assert cached_tokens(other) == 0
+    unsalted = b.complete([*prompt, 7, 8, 9], max_tokens=8)
+    assert cached_tokens(unsalted) == 0
+    same = b.complete([*prompt, 7, 8, 9, 10], max_tokens=8, cache_salt="tenant-one")
+    assert cached_tokens(same) >= full_chunks_pushed(len(prompt))
+    assert_same_answer(
+        same, reference.complete([*prompt, 7, 8, 9, 10], max_tokens=8), "B, salted hit"
+    )
+
+
+def test_restarted_server_resumes_from_the_store(
+    servers: dict[str, VLLMServer], store: dict[str, str], reference: VLLMServer
+) -> None:
+    a = servers["A"]
+    prompt = prompt_tokens(1800, seed=7)
+    a.complete(prompt, max_tokens=4)
+    a.stop()  # SIGTERM: the uploader drains before the process exits
+    with KVCloud.open(
+        store=store["KVCLOUD_STORE"], index=store["KVCLOUD_INDEX"], secret=store["KVCLOUD_SECRET"]
+    ) as kvc:
+        # what A pushed outlives it
+        assert kvc.index.count_entries() >= full_chunks_pushed(len(prompt)) // CHUNK
+    a.proc = None
+    a.start().wait_ready()
+    turn = prompt + prompt_tokens(30, seed=8)
+    got = a.complete(turn, max_tokens=16)
+    assert cached_tokens(got) >= full_chunks_pushed(len(prompt))
+    assert a.metrics()["loaded_tokens"] >= full_chunks_pushed(len(prompt))
+    assert_same_answer(got, reference.complete(turn, max_tokens=16), "A, restarted")
