@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from kvcloud import KVCloud
+from kvcloud.integrations.vllm.keys import request_tenant
 from scripts.vllm_fleet import VLLMServer, cached_tokens, kvcloud_transfer_config
 from tests.vllm.conftest import prompt_tokens, start_all
-from tests.vllm.helpers import assert_same_answer
+from tests.vllm.helpers import assert_same_answer, wait_stored
 
 CHUNK = 256
 
@@ -53,14 +54,14 @@ def full_chunks_pushed(prompt_len: int) -> int:
 
 
 def test_second_server_restores_and_answers_like_no_connector(
-    servers: dict[str, VLLMServer], reference: VLLMServer
+    servers: dict[str, VLLMServer], reference: VLLMServer, store: dict[str, str]
 ) -> None:
     a, b = servers["A"], servers["B"]
     prompt = prompt_tokens(2000, seed=1)
     first = a.complete(prompt, max_tokens=16)
     assert cached_tokens(first) == 0
     assert_same_answer(first, reference.complete(prompt, max_tokens=16), "A, cold")
-    assert a.metrics()["chunks_pushed"] >= 7
+    assert wait_stored(store, prompt) == 7
 
     turn = prompt + prompt_tokens(120, seed=2)
     got = b.complete(turn, max_tokens=16)
@@ -73,7 +74,7 @@ def test_second_server_restores_and_answers_like_no_connector(
 
 
 def test_chat_continuation_on_another_server(
-    servers: dict[str, VLLMServer], reference: VLLMServer
+    servers: dict[str, VLLMServer], reference: VLLMServer, store: dict[str, str]
 ) -> None:
     import httpx
 
@@ -96,6 +97,13 @@ def test_chat_continuation_on_another_server(
         return r.json()
 
     first = chat(a, messages)
+    rendered = httpx.post(
+        a.url + "/tokenize",
+        json={"model": "smollm2", "messages": messages, "add_generation_prompt": True},
+        timeout=60,
+    ).json()["tokens"]
+    assert len(rendered) == first["usage"]["prompt_tokens"]
+    assert wait_stored(store, rendered) == len(rendered) // CHUNK
     reply = first["choices"][0]["message"]["content"]
     assert reply == chat(reference, messages)["choices"][0]["message"]["content"]
     follow = [
@@ -112,13 +120,14 @@ def test_chat_continuation_on_another_server(
 
 
 def test_other_block_size_and_checkpoint_copy_share(
-    servers: dict[str, VLLMServer], reference: VLLMServer
+    servers: dict[str, VLLMServer], reference: VLLMServer, store: dict[str, str]
 ) -> None:
     """Segments pushed by a vLLM with 128-token blocks restore into one with 64-token blocks
     started from a copy of the checkpoint in another folder."""
     a, c = servers["A"], servers["C"]
     prompt = prompt_tokens(1500, seed=3)
     a.complete(prompt, max_tokens=4)
+    assert wait_stored(store, prompt) == len(prompt) // CHUNK
     turn = prompt + prompt_tokens(40, seed=4)
     got = c.complete(turn, max_tokens=16)
     assert cached_tokens(got) >= full_chunks_pushed(len(prompt))
@@ -126,6 +135,7 @@ def test_other_block_size_and_checkpoint_copy_share(
     # and the other way round: C's pushes (64-token blocks) restore into B (128)
     prompt2 = prompt_tokens(1100, seed=5)
     c.complete(prompt2, max_tokens=4)
+    assert wait_stored(store, prompt2) == len(prompt2) // CHUNK
     got2 = servers["B"].complete([*prompt2, 42, 43, 44], max_tokens=16)
     assert cached_tokens(got2) >= full_chunks_pushed(len(prompt2))
     assert_same_answer(
@@ -134,11 +144,13 @@ def test_other_block_size_and_checkpoint_copy_share(
 
 
 def test_cache_salt_separates_tenants(
-    servers: dict[str, VLLMServer], reference: VLLMServer
+    servers: dict[str, VLLMServer], reference: VLLMServer, store: dict[str, str]
 ) -> None:
     a, b = servers["A"], servers["B"]
     prompt = prompt_tokens(1300, seed=6)
     a.complete(prompt, max_tokens=2, cache_salt="tenant-one")
+    salted = request_tenant("default", "tenant-one")
+    assert wait_stored(store, prompt, tenant=salted) == len(prompt) // CHUNK
     other = b.complete([*prompt, 7, 8], max_tokens=8, cache_salt="tenant-two")
     assert cached_tokens(other) == 0
     unsalted = b.complete([*prompt, 7, 8, 9], max_tokens=8)
@@ -156,6 +168,7 @@ def test_restarted_server_resumes_from_the_store(
     a = servers["A"]
     prompt = prompt_tokens(1800, seed=7)
     a.complete(prompt, max_tokens=4)
+    assert wait_stored(store, prompt) == len(prompt) // CHUNK
     a.stop()  # SIGTERM: the uploader drains before the process exits
     with KVCloud.open(
         store=store["KVCLOUD_STORE"], index=store["KVCLOUD_INDEX"], secret=store["KVCLOUD_SECRET"]

@@ -29,10 +29,21 @@ from .worker import WorkerSide
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("kvcloud.vllm")
+log = logging.getLogger("vllm.kvcloud")
 
 # kvcloud client counters forwarded to vLLM's metrics under their own names
 _CLIENT_COUNTERS = ("missing_objects", "verify_failures", "store_errors")
+
+
+def _route_kvcloud_logs() -> None:
+    """kvcloud's own loggers (client, stores, indexes) write through vLLM's handlers, so a
+    dropped entry or a failed verification shows up in vLLM's log like vLLM's own lines."""
+    ours, theirs = logging.getLogger("kvcloud"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
 
 
 class KVCloudConnectorError(KVCloudError, RuntimeError):
@@ -47,6 +58,7 @@ class KVCloudConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._client_seen: Counter[str] = Counter()
+        _route_kvcloud_logs()
         try:
             cfg = VLLMConnectorConfig.load(self._kv_transfer_config.kv_connector_extra_config)
             block_size = int(vllm_config.cache_config.block_size)

@@ -23,7 +23,7 @@ from .config import VLLMConnectorConfig
 from .keys import request_tenant
 from .metadata import KVCloudConnectorMetadata, LoadChunk, LoadSpec, SaveChunk, SaveSpec
 
-log = logging.getLogger("kvcloud.vllm")
+log = logging.getLogger("vllm.kvcloud")
 
 
 @dataclass

@@ -36,7 +36,7 @@ from .config import VLLMConnectorConfig
 from .layout import BlockLayout, learn_layout
 from .metadata import KVCloudConnectorMetadata, LoadSpec, SaveSpec
 
-log = logging.getLogger("kvcloud.vllm")
+log = logging.getLogger("vllm.kvcloud")
 
 _TORCH_DTYPES = {
     "float32": torch.float32,

@@ -1,0 +1,96 @@
+"""What must never share KV, and settings that must stop vLLM at start with one clear line."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from scripts.vllm_fleet import VLLMServer, cached_tokens, kvcloud_transfer_config
+from tests.vllm.conftest import prompt_tokens, start_all
+from tests.vllm.helpers import wait_stored
+
+CHUNK = 256
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("namespaces")
+    return {
+        "KVCLOUD_STORE": f"file://{d}/objects",
+        "KVCLOUD_INDEX": f"sqlite://{d}/index.db",
+        "KVCLOUD_SECRET": "vllm-ns-secret",
+    }
+
+
+@pytest.fixture(scope="module")
+def servers(
+    store: dict[str, str], vllm_logs: Path, checkpoint_other: Path
+) -> Iterator[dict[str, VLLMServer]]:
+    cfg = kvcloud_transfer_config()
+    base = VLLMServer("N", vllm_logs / "N.log", transfer=cfg, env=store)
+    other = VLLMServer("D", vllm_logs / "D.log", model=checkpoint_other, transfer=cfg, env=store)
+    # bfloat16 weights and KV (eager bf16 text is off on this CPU build; only hits matter here)
+    bf16 = VLLMServer(
+        "E", vllm_logs / "E.log", transfer=cfg, env=store, args=["--dtype", "bfloat16"]
+    )
+    started = start_all(base, other, bf16)
+    yield {s.name: s for s in started}
+    for s in started:
+        s.stop()
+
+
+def test_other_checkpoint_and_other_kv_dtype_get_no_hit(
+    servers: dict[str, VLLMServer], store: dict[str, str]
+) -> None:
+    prompt = prompt_tokens(1400, seed=21)
+    servers["N"].complete(prompt, max_tokens=2)
+    assert wait_stored(store, prompt) == len(prompt) // CHUNK
+    for name in ("D", "E"):
+        got = servers[name].complete([*prompt, 5, 6], max_tokens=2)
+        assert cached_tokens(got) == 0, name
+        m = servers[name].metrics()
+        assert m.get("hit_tokens", 0) == 0 and m.get("loaded_tokens", 0) == 0, (name, m)
+    # the control: the same prompt does hit on a server of the pushing kind
+    again = servers["N"].complete([*prompt, 5, 6], max_tokens=2)
+    assert cached_tokens(again) >= len(prompt) // CHUNK * CHUNK
+
+
+@pytest.mark.parametrize(
+    ("label", "extra", "env", "message"),
+    [
+        (
+            "chunk",
+            {"chunk_tokens": 100},
+            {},
+            "chunk_tokens 100 is not a multiple of vLLM's block size 128",
+        ),
+        ("store", {"store": "ftp://nowhere/x"}, {}, "unknown store scheme 'ftp://'"),
+        ("key", {"chunk_size": 256}, {}, "unknown kv_connector_extra_config key 'chunk_size'"),
+    ],
+)
+def test_bad_settings_stop_vllm_at_start(
+    label: str, extra: dict, env: dict, message: str, vllm_logs: Path, tmp_path: Path
+) -> None:
+    server = VLLMServer(
+        f"bad-{label}",
+        vllm_logs / f"bad-{label}.log",
+        transfer=kvcloud_transfer_config(**extra),
+        env={
+            "KVCLOUD_STORE": f"file://{tmp_path}/o",
+            "KVCLOUD_INDEX": f"sqlite://{tmp_path}/i.db",
+            **env,
+        },
+    ).start()
+    try:
+        rc = server.wait_exit(timeout=240)
+    finally:
+        server.stop()
+    assert rc != 0
+    lines = [ln for ln in server.log_text().splitlines() if "kvcloud connector cannot start" in ln]
+    assert lines, server.log_tail()
+    assert message in lines[0], lines[0]
+    # the reason is a single line (the engine's traceback follows; the line says what to do)
+    print(json.dumps({label: lines[0].split("kvcloud connector cannot start: ", 1)[1]}))

@@ -1,0 +1,153 @@
+"""Two vLLM servers sharing KV through moto_server (S3 over HTTP) + redis-server, and what
+happens to them when objects are corrupted or deleted and when Redis dies."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3
+import pytest
+from botocore.config import Config
+
+from kvcloud import KVCloud
+from kvcloud.integrations.vllm.config import VLLMConnectorConfig
+from scripts.vllm_fleet import VLLMServer, cached_tokens, kvcloud_transfer_config
+from tests.servers import MotoServer, RedisServer, s3_env, start_moto, start_redis
+from tests.vllm.conftest import prompt_tokens, start_all
+from tests.vllm.helpers import assert_same_answer, connector_namespace, wait_stored
+
+CHUNK = 256
+SECRET = "vllm-servers-secret"
+
+
+@pytest.fixture(scope="module")
+def backends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[MotoServer, RedisServer]]:
+    # their own processes: this module kills Redis
+    moto = start_moto(tmp_path_factory.mktemp("vllm-moto"))
+    redis = start_redis(tmp_path_factory.mktemp("vllm-redis"))
+    yield moto, redis
+    redis.stop()
+    moto.stop()
+
+
+@pytest.fixture(scope="module")
+def env(backends: tuple[MotoServer, RedisServer]) -> dict[str, str]:
+    moto, redis = backends
+    return {
+        **s3_env(moto.endpoint),
+        "KVCLOUD_STORE": moto.store_url(prefix="vllm") + "&create_bucket=true",
+        "KVCLOUD_INDEX": redis.url,
+        "KVCLOUD_SECRET": SECRET,
+        # a dead Redis must cost a request at most this, not a long hang
+        "KVCLOUD_CONNECT_TIMEOUT": "0.5",
+        "KVCLOUD_READ_TIMEOUT": "1",
+    }
+
+
+@pytest.fixture(scope="module")
+def servers(
+    env: dict[str, str], vllm_logs: Path, reference: VLLMServer
+) -> Iterator[dict[str, VLLMServer]]:
+    cfg = kvcloud_transfer_config()
+    s1 = VLLMServer("S1", vllm_logs / "S1.log", transfer=cfg, env=env)
+    s2 = VLLMServer("S2", vllm_logs / "S2.log", transfer=cfg, env=env)
+    started = start_all(s1, s2)
+    yield {s.name: s for s in started}
+    for s in started:
+        s.stop()
+
+
+def test_restore_through_s3_and_redis(
+    servers: dict[str, VLLMServer], reference: VLLMServer, env: dict[str, str]
+) -> None:
+    s1, s2 = servers["S1"], servers["S2"]
+    prompt = prompt_tokens(2000, seed=11)
+    s1.complete(prompt, max_tokens=4)
+    assert wait_stored(env, prompt) == 7
+    turn = [*prompt, *prompt_tokens(100, seed=12)]
+    got = s2.complete(turn, max_tokens=16)
+    assert cached_tokens(got) >= len(prompt) // CHUNK * CHUNK
+    assert_same_answer(got, reference.complete(turn, max_tokens=16), "S2, restored via S3")
+
+
+def _object_keys(env: dict[str, str], server: VLLMServer, prompt: list[int]) -> list[str]:
+    """The object keys of a prompt's chunks, found by a plain kvcloud client that derives the
+    connector's namespace on its own (and checks it against the one the server logged)."""
+    logged = re.findall(r"namespace ([0-9a-f]{32})", server.log_text())[-1]
+    ns = connector_namespace()
+    assert ns.id == logged
+    assert wait_stored(env, prompt) == len(prompt) // CHUNK
+    with KVCloud.open(store=env["KVCLOUD_STORE"], index=env["KVCLOUD_INDEX"], secret=SECRET) as k:
+        fps = k.fingerprints(ns, prompt, VLLMConnectorConfig().tenant)
+        entries = k.index.lookup(ns.id, [fp.hex() for fp in fps])
+    return [e.object_key for e in entries if e is not None]
+
+
+def test_corrupt_and_deleted_objects_and_dead_redis_are_recomputed(
+    servers: dict[str, VLLMServer],
+    reference: VLLMServer,
+    env: dict[str, str],
+    backends: tuple[MotoServer, RedisServer],
+) -> None:
+    s1, s2 = servers["S1"], servers["S2"]
+    prompt = prompt_tokens(1800, seed=13)  # 7 full chunks
+    s1.complete(prompt, max_tokens=2)
+    keys = _object_keys(env, s1, prompt)
+    assert len(keys) == 7
+    moto, redis = backends
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=moto.endpoint,
+        region_name="us-east-1",
+        config=Config(s3={"addressing_style": "path"}),
+    )
+    bucket = "kvcloud"
+    keys = [f"vllm/{k}" for k in keys]  # the store URL's prefix
+    # chunk 2: same size, one byte flipped (digest check); chunk 4: gone
+    body = bytearray(s3.get_object(Bucket=bucket, Key=keys[2])["Body"].read())
+    body[len(body) // 2] ^= 0xFF
+    s3.put_object(Bucket=bucket, Key=keys[2], Body=bytes(body))
+    s3.delete_object(Bucket=bucket, Key=keys[4])
+    before = s2.metrics()
+
+    turn = [*prompt, *prompt_tokens(50, seed=14)]
+    got = s2.complete(turn, max_tokens=16)
+    # the index still named all 7 chunks, so vLLM was offered (and reports as cached) all
+    # of them; chunks 0 and 1 load, chunk 2 fails verification, chunk 4 is missing, and
+    # chunks 2..6 go back to vLLM as failed blocks and are recomputed
+    assert_same_answer(got, reference.complete(turn, max_tokens=16), "S2, corrupt + deleted")
+    after = s2.metrics()
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    assert delta["verify_failures"] == 1
+    assert delta["missing_objects"] == 1
+    assert delta["loaded_tokens"] == 2 * CHUNK
+    assert delta["load_failed_blocks"] == 5 * CHUNK // 128
+    # the bad entries were dropped: the next request is offered only the good run
+    again = s2.complete([*prompt, 9, 9, 9], max_tokens=4)
+    assert cached_tokens(again) >= 2 * CHUNK
+    assert_same_answer(
+        again, reference.complete([*prompt, 9, 9, 9], max_tokens=4), "S2, after the drop"
+    )
+
+    # Redis dies: lookups and pushes fail, answers stay right
+    redis.kill()
+    try:
+        prompt2 = prompt_tokens(1200, seed=15)
+        for server in (s1, s2):
+            got = server.complete(prompt2, max_tokens=8)
+            assert cached_tokens(got) == 0
+            assert_same_answer(
+                got, reference.complete(prompt2, max_tokens=8), f"{server.name}, Redis dead"
+            )
+        m = s2.metrics()
+        assert m["lookup_errors"] >= 1
+    finally:
+        redis.start()
+    # and once Redis is back, the next prompts are stored and shared again
+    prompt3 = prompt_tokens(800, seed=16)
+    s1.complete(prompt3, max_tokens=2)
+    assert wait_stored(env, prompt3) == 3
+    got = s2.complete([*prompt3, 1, 2, 3], max_tokens=8)
+    assert cached_tokens(got) >= 3 * CHUNK
