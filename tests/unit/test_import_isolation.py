@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-HEAVY = ("torch", "transformers")
+HEAVY = ("torch", "transformers", "vllm")
 
 CHECK = """
 import sys
@@ -31,6 +31,10 @@ def loaded_after(*modules: str) -> list[str]:
     [
         ("kvcloud", "kvcloud.integrations"),
         ("kvcloud.integrations.transformers",),
+        # the vLLM connector's package, settings and namespace helpers: vLLM is imported only
+        # when vLLM itself asks for the KVCloudConnector class
+        ("kvcloud.integrations.vllm", "kvcloud.integrations.vllm.config"),
+        ("kvcloud.integrations.vllm.keys",),
     ],
 )
 def test_kvcloud_imports_no_torch_or_transformers(modules: tuple[str, ...]) -> None:
