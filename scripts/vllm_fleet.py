@@ -217,3 +217,51 @@ def completion_ids(resp: dict[str, Any]) -> list[int]:
     if ids is None:
         raise KeyError("the response carries no token_ids (return_token_ids)")
     return list(ids)
+
+
+def connector_namespace(model_dir: Any = None, dtype: str = "float32", chunk: int = 256) -> Any:
+    """The namespace the connector derives for SmolLM2 served in ``dtype``, built here from
+    its definition (tests compare it with the id the server logs)."""
+    import json
+
+    from kvcloud import Namespace
+    from kvcloud.integrations.vllm.keys import checkpoint_digest
+
+    return Namespace(
+        model="vllm/llama",
+        num_layers=30,
+        num_kv_heads=3,
+        head_dim=64,
+        revision=checkpoint_digest(str(model_dir or SMOLLM2)),
+        dtype=dtype,
+        chunk_tokens=chunk,
+        extra=json.dumps(
+            {"compute_dtype": dtype, "layout": "vllm-kv-v1", "quantization": "None"},
+            sort_keys=True,
+        ),
+    )
+
+
+def wait_stored(
+    env: dict[str, str], prompt: list[int], tenant: str = "default", timeout: float = 30.0
+) -> int:
+    """Wait until the background uploader has registered every full chunk of ``prompt``
+    (pushes are asynchronous); returns how many are indexed."""
+    import time
+
+    from kvcloud import KVCloud
+
+    ns = connector_namespace()
+    deadline = time.monotonic() + timeout
+    with KVCloud.open(
+        store=env["KVCLOUD_STORE"], index=env["KVCLOUD_INDEX"], secret=env["KVCLOUD_SECRET"]
+    ) as k:
+        fps = k.fingerprints(ns, prompt, tenant)
+        while True:
+            try:
+                found = sum(e is not None for e in k.index.lookup(ns.id, [f.hex() for f in fps]))
+            except Exception:
+                found = 0
+            if found == len(fps) or time.monotonic() > deadline:
+                return found
+            time.sleep(0.1)

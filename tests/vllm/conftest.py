@@ -16,8 +16,6 @@ import pytest
 
 from scripts.vllm_fleet import SMOLLM2, VLLM_PYTHON, VLLMServer
 
-pytestmark = pytest.mark.integration
-
 if not VLLM_PYTHON.exists() or not (SMOLLM2 / "config.json").exists():
     raise RuntimeError(
         f"vLLM tests need {VLLM_PYTHON} and {SMOLLM2}: run `make install-vllm` (make test does)"

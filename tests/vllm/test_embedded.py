@@ -14,6 +14,9 @@ from scripts.vllm_fleet import VLLMServer, cached_tokens, kvcloud_transfer_confi
 from tests.vllm.conftest import prompt_tokens, start_all
 from tests.vllm.helpers import assert_same_answer, wait_stored
 
+# vLLM servers take ~40 s each to start, more when several start together on 2 cores
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
 CHUNK = 256
 
 
@@ -182,3 +185,25 @@ def test_restarted_server_resumes_from_the_store(
     assert cached_tokens(got) >= full_chunks_pushed(len(prompt))
     assert a.metrics()["loaded_tokens"] >= full_chunks_pushed(len(prompt))
     assert_same_answer(got, reference.complete(turn, max_tokens=16), "A, restarted")
+
+
+def test_local_prefix_hit_in_the_middle_of_a_chunk(
+    servers: dict[str, VLLMServer], reference: VLLMServer, store: dict[str, str]
+) -> None:
+    """C (64-token blocks) already holds the first 640 tokens in its own prefix cache: it
+    loads only the rest of chunk 2 (blocks 10 and 11) and chunks 3.., leaving its own blocks
+    alone."""
+    a, c = servers["A"], servers["C"]
+    prompt = prompt_tokens(1900, seed=31)
+    c.complete(prompt[:700], max_tokens=1)  # C computes (and caches) 640 tokens' blocks
+    a.complete(prompt, max_tokens=1)
+    assert wait_stored(store, prompt) == len(prompt) // CHUNK
+    before = c.metrics()
+    turn = [*prompt, *prompt_tokens(20, seed=32)]
+    got = c.complete(turn, max_tokens=16)
+    assert cached_tokens(got) >= full_chunks_pushed(len(prompt))
+    after = c.metrics()
+    assert after["loaded_tokens"] - before.get("loaded_tokens", 0) == (
+        full_chunks_pushed(len(prompt)) - 640
+    )
+    assert_same_answer(got, reference.complete(turn, max_tokens=16), "C, mid-chunk local hit")

@@ -12,6 +12,9 @@ from scripts.vllm_fleet import VLLMServer, cached_tokens, kvcloud_transfer_confi
 from tests.vllm.conftest import prompt_tokens, start_all
 from tests.vllm.helpers import wait_stored
 
+# vLLM servers take ~40 s each to start, more when several start together on 2 cores
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
 CHUNK = 256
 
 

@@ -18,6 +18,9 @@ from tests.servers import MotoServer, RedisServer, s3_env, start_moto, start_red
 from tests.vllm.conftest import prompt_tokens, start_all
 from tests.vllm.helpers import assert_same_answer, connector_namespace, wait_stored
 
+# vLLM servers take ~40 s each to start, more when several start together on 2 cores
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
 CHUNK = 256
 SECRET = "vllm-servers-secret"
 

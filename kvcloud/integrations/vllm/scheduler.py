@@ -70,10 +70,10 @@ class SchedulerSide:
         tokens = list(request.prompt_token_ids or [])
         tenant = request_tenant(self.cfg.tenant, getattr(request, "cache_salt", None))
         fps = self.client.fingerprints(self.ns, tokens, tenant) if tokens else []
-        loadable = max(0, len(tokens) - 1) // self.ns.chunk_tokens
         t0 = time.perf_counter()
         errors_before = self.client.stats().get("index_errors", 0)
-        match = self.client.lookup_fingerprints(self.ns, fps[:loadable], tenant=tenant)
+        # every full chunk: the hit decides what is loaded and what is already stored
+        match = self.client.lookup_fingerprints(self.ns, fps, tenant=tenant)
         self.stats["lookups"] += 1
         if self.client.stats().get("index_errors", 0) > errors_before:
             self.stats["lookup_errors"] += 1
@@ -81,7 +81,7 @@ class SchedulerSide:
             "lookup %s: %d of %d chunks in kvcloud (%.1f ms)",
             request.request_id,
             len(match.chunks),
-            loadable,
+            len(fps),
             (time.perf_counter() - t0) * 1000,
         )
         plan = self._plans[request.request_id] = _Plan(tenant, fps, match)
@@ -91,7 +91,10 @@ class SchedulerSide:
         if not request.prompt_token_ids:
             return 0
         plan = self._plan(request)
-        hit = plan.match.tokens
+        # vLLM must compute at least the prompt's last token to sample from it
+        c = self.ns.chunk_tokens
+        loadable = (len(request.prompt_token_ids) - 1) // c
+        hit = min(len(plan.match.chunks), loadable) * c
         external = hit - num_computed_tokens
         if external <= 0 or external < self.cfg.min_hit_tokens:
             return 0

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import queue
 import threading
 import time
 from collections import Counter
@@ -29,12 +28,13 @@ import numpy as np
 import torch
 
 from ...client import ChunkRef, KVCloud, Match
-from ...errors import ConfigError, KVCloudError, LayoutError, PushError
+from ...errors import ConfigError, KVCloudError, LayoutError
 from ...indexes.base import IndexEntry
 from ...namespace import Namespace
 from .config import VLLMConnectorConfig
 from .layout import BlockLayout, learn_layout
 from .metadata import KVCloudConnectorMetadata, LoadSpec, SaveSpec
+from .uploader import Uploader
 
 log = logging.getLogger("vllm.kvcloud")
 
@@ -67,74 +67,6 @@ class _Save:
     spec: SaveSpec
     staging: list[torch.Tensor]  # one [layers, 2, chunk_tokens, heads, dim] per chunk
     layers_done: set[int] = field(default_factory=set)
-
-
-class Uploader:
-    """Bounded background pushes; a full queue drops, a failed push is counted."""
-
-    def __init__(self, client: KVCloud, ns: Namespace, capacity: int, count: Any):
-        self.client = client
-        self.ns = ns
-        self.count = count
-        self._queue: queue.Queue[tuple[str, bytes, bytes, np.ndarray] | None] = queue.Queue(
-            capacity
-        )
-        self._thread = threading.Thread(target=self._run, name="kvcloud-uploader", daemon=True)
-        self._thread.start()
-
-    def offer(self, tenant: str, fp: bytes, parent: bytes, kv: np.ndarray) -> bool:
-        try:
-            self._queue.put_nowait((tenant, fp, parent, kv))
-        except queue.Full:
-            self.count(upload_dropped=1)
-            return False
-        self.count(chunks_queued=1)
-        return True
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            batch = [item]
-            while len(batch) < 16:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._push(batch)
-                    return
-                batch.append(nxt)
-            self._push(batch)
-
-    def _push(self, batch: list[tuple[str, bytes, bytes, np.ndarray]]) -> None:
-        by_tenant: dict[str, list[tuple[bytes, bytes, np.ndarray]]] = {}
-        for tenant, fp, parent, kv in batch:
-            by_tenant.setdefault(tenant, []).append((fp, parent, kv))
-        for tenant, chunks in by_tenant.items():
-            try:
-                res = self.client.push_chunks(self.ns, chunks, tenant=tenant)
-            except PushError as exc:
-                res = exc.result
-                log.warning("kvcloud push failed for %d chunks: %s", res.failed, exc)
-            except Exception as exc:  # the uploader must outlive any backend failure
-                log.warning("kvcloud push failed: %s", exc)
-                self.count(push_failures=len(chunks))
-                continue
-            self.count(
-                chunks_pushed=res.pushed,
-                chunks_already_stored=res.already_indexed,
-                push_failures=res.failed,
-            )
-
-    def close(self, timeout: float = 30.0) -> None:
-        try:
-            self._queue.put(None, timeout=timeout)
-        except queue.Full:
-            log.warning("kvcloud uploader: queue still full at shutdown; pending chunks lost")
-            return
-        self._thread.join(timeout)
 
 
 class WorkerSide:

@@ -1,0 +1,92 @@
+"""The connector's background uploader: bounded, never blocks a forward pass.
+
+The kvcloud worker's policy: chunks wait in a bounded queue; when it is full a new chunk is
+dropped and counted (a future miss), never waited for; a failed push is counted and logged,
+never raised. Pushes go object first, index entry second (``KVCloud.push_chunks``), batched
+per tenant, skipping chunks already indexed. numpy only, so it is tested without vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from ...client import KVCloud
+from ...errors import PushError
+from ...namespace import Namespace
+
+log = logging.getLogger("vllm.kvcloud")
+
+_BATCH = 16
+
+
+class Uploader:
+    """Bounded background pushes; a full queue drops, a failed push is counted."""
+
+    def __init__(self, client: KVCloud, ns: Namespace, capacity: int, count: Callable[..., None]):
+        self.client = client
+        self.ns = ns
+        self.count = count
+        self._queue: queue.Queue[tuple[str, bytes, bytes, np.ndarray] | None] = queue.Queue(
+            capacity
+        )
+        self._thread = threading.Thread(target=self._run, name="kvcloud-uploader", daemon=True)
+        self._thread.start()
+
+    def offer(self, tenant: str, fp: bytes, parent: bytes, kv: np.ndarray) -> bool:
+        try:
+            self._queue.put_nowait((tenant, fp, parent, kv))
+        except queue.Full:
+            self.count(upload_dropped=1)
+            return False
+        self.count(chunks_queued=1)
+        return True
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            batch = [item]
+            while len(batch) < _BATCH:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._push(batch)
+                    return
+                batch.append(nxt)
+            self._push(batch)
+
+    def _push(self, batch: list[tuple[str, bytes, bytes, np.ndarray]]) -> None:
+        by_tenant: dict[str, list[tuple[bytes, bytes, np.ndarray]]] = {}
+        for tenant, fp, parent, kv in batch:
+            by_tenant.setdefault(tenant, []).append((fp, parent, kv))
+        for tenant, chunks in by_tenant.items():
+            try:
+                res = self.client.push_chunks(self.ns, chunks, tenant=tenant)
+            except PushError as exc:
+                res = exc.result
+                log.warning("kvcloud push failed for %d chunks: %s", res.failed, exc)
+            except Exception as exc:  # the uploader must outlive any backend failure
+                log.warning("kvcloud push failed: %s", exc)
+                self.count(push_failures=len(chunks))
+                continue
+            self.count(
+                chunks_pushed=res.pushed,
+                chunks_already_stored=res.already_indexed,
+                push_failures=res.failed,
+            )
+
+    def close(self, timeout: float = 30.0) -> None:
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            log.warning("kvcloud uploader: queue still full at shutdown; pending chunks lost")
+            return
+        self._thread.join(timeout)
