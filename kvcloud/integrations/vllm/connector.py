@@ -107,7 +107,7 @@ class KVCloudConnector(KVConnectorBase_V1):
         assert self._worker is not None
         try:
             self._worker.register_kv_caches(kv_caches)
-        except KVCloudError as exc:
+        except Exception as exc:  # any surprise in vLLM's caches: stop at start, say why
             msg = f"kvcloud connector cannot start: {exc}"
             log.error(msg)
             raise KVCloudConnectorError(msg) from None

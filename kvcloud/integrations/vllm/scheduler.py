@@ -106,10 +106,9 @@ class SchedulerSide:
         if plan is None or num_external_tokens <= 0:
             return
         if num_external_tokens != plan.external:
-            # vLLM trimmed the offer (it may, e.g. for a sub-block local tail): load exactly
-            # the tokens it now expects, which still end on our chunk boundary
-            plan.local = plan.local + plan.external - num_external_tokens
-            plan.external = num_external_tokens
+            # vLLM may trim an offer from its end (to a block boundary): load exactly the
+            # blocks it now expects us to fill, and none that it will compute itself
+            plan.external = min(plan.external, num_external_tokens)
         self._loads[request.request_id] = plan
         self.stats["hit_tokens"] += num_external_tokens
 
@@ -120,12 +119,16 @@ class SchedulerSide:
         per_chunk = c // bs
         first_block = plan.local // bs
         end = plan.local + plan.external
+        end_block = end // bs
         chunks = []
         for ref in plan.match.chunks:
             if (ref.position + 1) * c <= plan.local or ref.position * c >= end:
                 continue
             base = ref.position * per_chunk
-            ids = [block_ids[base + k] if base + k >= first_block else -1 for k in range(per_chunk)]
+            ids = [
+                block_ids[base + k] if first_block <= base + k < end_block else -1
+                for k in range(per_chunk)
+            ]
             chunks.append(
                 LoadChunk(
                     ref.position, ref.fp, ref.parent, ref.entry.object_key, ref.entry.size, ids
