@@ -207,3 +207,19 @@ def test_local_prefix_hit_in_the_middle_of_a_chunk(
         full_chunks_pushed(len(prompt)) - 640
     )
     assert_same_answer(got, reference.complete(turn, max_tokens=16), "C, mid-chunk local hit")
+
+
+def test_exact_multiple_of_the_chunk_recomputes_one_block(
+    servers: dict[str, VLLMServer], reference: VLLMServer, store: dict[str, str]
+) -> None:
+    """The same 2,048-token prompt (8 full chunks) again on another server: vLLM must compute
+    its last token, so the last chunk is loaded up to the block before it — 1,920 tokens."""
+    a, b = servers["A"], servers["B"]
+    prompt = prompt_tokens(2048, seed=41)
+    a.complete(prompt, max_tokens=1)
+    assert wait_stored(store, prompt) == 8
+    before = b.metrics()
+    got = b.complete(prompt, max_tokens=12)
+    assert cached_tokens(got) == 2048 - 128
+    assert b.metrics()["loaded_tokens"] - before.get("loaded_tokens", 0) == 2048 - 128
+    assert_same_answer(got, reference.complete(prompt, max_tokens=12), "B, exact multiple")

@@ -1,12 +1,13 @@
 """Scheduler side: decide what each request loads from kvcloud and which chunks it pushes.
 
 Cheap and tensor-free. One kvcloud index lookup per request (cached, because vLLM may ask
-again), made with the prompt's fingerprints; the hit offered to vLLM is the run of full
-kvcloud chunks beyond vLLM's own prefix-cache hit, at most the prompt minus one token (vLLM
-must compute at least one token to sample from). Loads are synchronous: the blocks are filled
-during the forward pass that consumes them, layer by layer, which gives the best TTFT on an
-engine that is not already busy (an asynchronous load costs at least one extra engine step
-before the request runs) — and a load can never stall longer than ``load_timeout``.
+again), made with the fingerprints of the prompt's full chunks; the hit offered to vLLM is
+the run of stored chunks beyond vLLM's own prefix-cache hit, cut at the last vLLM block
+before the prompt's final token (vLLM must compute at least one token to sample from).
+Loads are synchronous: the blocks are filled during the forward pass that consumes them,
+layer by layer, which gives the best TTFT on an engine that is not already busy (an
+asynchronous load costs at least one extra engine step before the request runs) — and a
+load can never stall longer than ``load_timeout``.
 """
 
 from __future__ import annotations
@@ -91,10 +92,12 @@ class SchedulerSide:
         if not request.prompt_token_ids:
             return 0
         plan = self._plan(request)
-        # vLLM must compute at least the prompt's last token to sample from it
-        c = self.ns.chunk_tokens
-        loadable = (len(request.prompt_token_ids) - 1) // c
-        hit = min(len(plan.match.chunks), loadable) * c
+        # vLLM must compute at least the prompt's last token to sample from it. The hit ends
+        # on a vLLM block boundary: of the last stored chunk it reaches, only the blocks
+        # before that token are loaded (the object is pulled and verified whole), so a
+        # prompt that is an exact multiple of the chunk recomputes one block, not one chunk.
+        last_block = (len(request.prompt_token_ids) - 1) // self.block_size * self.block_size
+        hit = min(plan.match.tokens, last_block)
         external = hit - num_computed_tokens
         if external <= 0 or external < self.cfg.min_hit_tokens:
             return 0
