@@ -35,6 +35,25 @@ def start_all(*servers: VLLMServer) -> list[VLLMServer]:
     return list(servers)
 
 
+def serving(*servers: VLLMServer) -> Iterator[dict[str, VLLMServer]]:
+    """Start servers together, hand them out by name, stop them all (a fixture body)."""
+    started = start_all(*servers)
+    try:
+        yield {s.name: s for s in started}
+    finally:
+        for s in started:
+            s.stop()
+
+
+def embedded_env(folder: Path, secret: str) -> dict[str, str]:
+    """kvcloud's embedded default (file:// + sqlite://) in ``folder``."""
+    return {
+        "KVCLOUD_STORE": f"file://{folder}/objects",
+        "KVCLOUD_INDEX": f"sqlite://{folder}/index.db",
+        "KVCLOUD_SECRET": secret,
+    }
+
+
 @pytest.fixture(scope="session")
 def vllm_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("vllm-logs")

@@ -11,7 +11,7 @@ import pytest
 from kvcloud import KVCloud
 from kvcloud.integrations.vllm.keys import request_tenant
 from scripts.vllm_fleet import VLLMServer, cached_tokens, kvcloud_transfer_config
-from tests.vllm.conftest import prompt_tokens, start_all
+from tests.vllm.conftest import embedded_env, prompt_tokens, serving
 from tests.vllm.helpers import assert_same_answer, wait_stored
 
 # vLLM servers take ~40 s each to start, more when several start together on 2 cores
@@ -22,12 +22,7 @@ CHUNK = 256
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    d = tmp_path_factory.mktemp("embedded")
-    return {
-        "KVCLOUD_STORE": f"file://{d}/objects",
-        "KVCLOUD_INDEX": f"sqlite://{d}/index.db",
-        "KVCLOUD_SECRET": "vllm-test-secret",
-    }
+    return embedded_env(tmp_path_factory.mktemp("embedded"), "vllm-test-secret")
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +41,7 @@ def servers(
         env=store,
         args=["--block-size", "64"],
     )
-    started = start_all(a, b, c)
-    yield {s.name: s for s in started}
-    for s in started:
-        s.stop()
+    yield from serving(a, b, c)
 
 
 def full_chunks_pushed(prompt_len: int) -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from scripts.vllm_fleet import VLLMServer, cached_tokens, kvcloud_transfer_config
-from tests.vllm.conftest import prompt_tokens, start_all
+from tests.vllm.conftest import embedded_env, prompt_tokens, serving
 from tests.vllm.helpers import wait_stored
 
 # vLLM servers take ~40 s each to start, more when several start together on 2 cores
@@ -20,12 +20,7 @@ CHUNK = 256
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    d = tmp_path_factory.mktemp("namespaces")
-    return {
-        "KVCLOUD_STORE": f"file://{d}/objects",
-        "KVCLOUD_INDEX": f"sqlite://{d}/index.db",
-        "KVCLOUD_SECRET": "vllm-ns-secret",
-    }
+    return embedded_env(tmp_path_factory.mktemp("namespaces"), "vllm-ns-secret")
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +34,7 @@ def servers(
     bf16 = VLLMServer(
         "E", vllm_logs / "E.log", transfer=cfg, env=store, args=["--dtype", "bfloat16"]
     )
-    started = start_all(base, other, bf16)
-    yield {s.name: s for s in started}
-    for s in started:
-        s.stop()
+    yield from serving(base, other, bf16)
 
 
 def test_other_checkpoint_and_other_kv_dtype_get_no_hit(

@@ -15,7 +15,7 @@ from kvcloud import KVCloud
 from kvcloud.integrations.vllm.config import VLLMConnectorConfig
 from scripts.vllm_fleet import VLLMServer, cached_tokens, kvcloud_transfer_config
 from tests.servers import MotoServer, RedisServer, s3_env, start_moto, start_redis
-from tests.vllm.conftest import prompt_tokens, start_all
+from tests.vllm.conftest import prompt_tokens, serving
 from tests.vllm.helpers import assert_same_answer, connector_namespace, wait_stored
 
 # vLLM servers take ~40 s each to start, more when several start together on 2 cores
@@ -56,10 +56,7 @@ def servers(
     cfg = kvcloud_transfer_config()
     s1 = VLLMServer("S1", vllm_logs / "S1.log", transfer=cfg, env=env)
     s2 = VLLMServer("S2", vllm_logs / "S2.log", transfer=cfg, env=env)
-    started = start_all(s1, s2)
-    yield {s.name: s for s in started}
-    for s in started:
-        s.stop()
+    yield from serving(s1, s2)
 
 
 def test_restore_through_s3_and_redis(
