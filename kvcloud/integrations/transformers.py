@@ -33,6 +33,7 @@ import numpy as np
 from ..client import KVCloud, PushResult
 from ..errors import BatchSizeError, ConfigError, LayoutError, UnsupportedCacheError
 from ..namespace import DEFAULT_CHUNK_TOKENS, Namespace
+from ._torch import dtype_name, to_numpy
 
 if TYPE_CHECKING:
     import torch
@@ -324,20 +325,10 @@ def _legacy_layer_tensors(cache: Any) -> list[tuple[torch.Tensor | None, torch.T
 
 
 def _torch_dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
+    return dtype_name(t.dtype)
 
 
-def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's bits as numpy in kvcloud's storage dtype (numpy has no bfloat16 or fp8:
-    those travel as raw integers of the same width, as kvcloud stores them)."""
-    import torch
-
-    name = _torch_dtype_name(t)
-    if name == "bfloat16":
-        return t.view(torch.int16).numpy().view("<u2")
-    if name.startswith("float8"):
-        return t.view(torch.uint8).numpy()
-    return t.numpy()
+_to_numpy = to_numpy
 
 
 def _from_numpy(arr: np.ndarray, dtype_name: str) -> torch.Tensor:

@@ -18,15 +18,11 @@ from typing import Any
 
 from ...errors import ConfigError
 from ...namespace import Namespace
+from .._torch import dtype_name
 from .config import VLLMConnectorConfig
 
 LAYOUT_VERSION = "vllm-kv-v1"
 _DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
-
-
-def torch_dtype_name(dtype: Any) -> str:
-    """``torch.bfloat16`` → ``bfloat16``."""
-    return str(dtype).removeprefix("torch.")
 
 
 def checkpoint_digest(model: str, revision: str | None = None) -> str:
@@ -50,7 +46,7 @@ def checkpoint_digest(model: str, revision: str | None = None) -> str:
 def kv_dtype_name(vllm_config: Any) -> str:
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     if cache_dtype == "auto":
-        name = torch_dtype_name(vllm_config.model_config.dtype)
+        name = dtype_name(vllm_config.model_config.dtype)
     else:
         name = {"float16": "float16", "half": "float16", "bfloat16": "bfloat16"}.get(
             cache_dtype, cache_dtype
@@ -87,7 +83,7 @@ def vllm_namespace(vllm_config: Any, cfg: VLLMConnectorConfig) -> Namespace:
     hf = mc.hf_config
     extra = {
         "layout": LAYOUT_VERSION,
-        "compute_dtype": torch_dtype_name(mc.dtype),
+        "compute_dtype": dtype_name(mc.dtype),
         "quantization": str(getattr(mc, "quantization", None)),
     }
     return Namespace(

@@ -60,7 +60,6 @@ class SchedulerSide:
         self._loads: dict[str, _Plan] = {}  # offered and allocated, not yet in metadata
         self._saving: dict[str, _Saving] = {}
         self.stats: Counter[str] = Counter()
-        self._client_seen: Counter[str] = Counter()
 
     # -- lookups ----------------------------------------------------------------------------
 

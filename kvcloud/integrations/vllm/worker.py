@@ -24,13 +24,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from ...client import ChunkRef, KVCloud, Match
 from ...errors import ConfigError, KVCloudError, LayoutError
 from ...indexes.base import IndexEntry
 from ...namespace import Namespace
+from .._torch import to_numpy
 from .config import VLLMConnectorConfig
 from .layout import BlockLayout, learn_layout
 from .metadata import KVCloudConnectorMetadata, LoadSpec, SaveSpec
@@ -43,13 +43,6 @@ _TORCH_DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-
-
-def numpy_view(t: torch.Tensor) -> np.ndarray:
-    """A tensor's bits as numpy (bfloat16 travels as uint16, as kvcloud stores it)."""
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.uint16).numpy()
-    return t.numpy()
 
 
 @dataclass
@@ -98,7 +91,6 @@ class WorkerSide:
         self._loads: list[_Load] = []
         self._saves: list[_Save] = []
         self._failed_blocks: set[int] = set()
-        self._client_seen: Counter[str] = Counter()
 
     def count(self, **deltas: int) -> None:
         with self._stats_lock:
@@ -168,7 +160,7 @@ class WorkerSide:
             for ch in spec.chunks
         )
         m = Match(self.ns, spec.tenant, refs, refs[-1].position + 1)
-        arr = numpy_view(staging)
+        arr = to_numpy(staging)
         dests = [arr[:, :, i * c : (i + 1) * c] for i in range(len(refs))]
         res = self.client.pull_into(m, dests)
         self.count(loaded_bytes=res.bytes)
@@ -289,7 +281,7 @@ class WorkerSide:
             if len(save.layers_done) != self.ns.num_layers:
                 continue
             for ch, staging in zip(save.spec.chunks, save.staging, strict=True):
-                self.uploader.offer(save.spec.tenant, ch.fp, ch.parent, numpy_view(staging))
+                self.uploader.offer(save.spec.tenant, ch.fp, ch.parent, to_numpy(staging))
 
     # -- stats and shutdown -----------------------------------------------------------------
 
