@@ -9,6 +9,7 @@ backend's own op writes.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -42,6 +43,17 @@ def flash_write(key, value, cache, slots):  # cache [2, blocks, N, H, D]
         cache[1, b, o] = value[t]
 
 
+# a permutation no strides describe: token order reversed inside each block's K, every other
+# head swapped in V (a layout vLLM does not ship, to exercise the general indexed path)
+def scrambled_write(key, value, cache, slots):  # cache [blocks, N, 2, H, D]
+    n = cache.shape[1]
+    heads = [h ^ 1 if h ^ 1 < H else h for h in range(H)]
+    for t, s in enumerate(slots.tolist()):
+        b, o = divmod(s, n)
+        cache[b, (o * 7) % n if n % 7 else o, 0] = key[t]
+        cache[b, o, 1] = value[t, heads]
+
+
 def padded_write(key, value, cache, slots):  # cache [blocks, N, 2, H, D + 2], padding unused
     n = cache.shape[1]
     for t, s in enumerate(slots.tolist()):
@@ -54,6 +66,7 @@ LAYOUTS: dict[str, tuple[Callable, Callable[[int, int], tuple[int, ...]]]] = {
     "cpu": (cpu_write, lambda nb, n: (nb, H, n, 2 * D)),
     "flash": (flash_write, lambda nb, n: (2, nb, n, H, D)),
     "padded": (padded_write, lambda nb, n: (nb, n, 2, H, D + 2)),
+    "scrambled": (scrambled_write, lambda nb, n: (nb, n, 2, H, D)),
 }
 
 
@@ -84,6 +97,8 @@ def test_learned_gather_returns_what_was_written(name: str, dtype) -> None:
     # a FlashAttention block, taken along its block axis, already is [2, N, H, D]
     assert layout.natural == (name == "flash")
     assert layout.covers_block == (name != "padded")
+    # every layout vLLM ships is a strided view; only the scrambled one needs the index path
+    assert (layout.halves is None) == (name == "scrambled")
     kv = layout.gather(cache, [0, 1, 2, 3])
     assert torch.equal(kv[0], k) and torch.equal(kv[1], v)
     # blocks out of order come back in the order asked for
@@ -106,6 +121,28 @@ def test_scatter_across_block_sizes_writes_the_backends_own_bytes(name: str) -> 
     slots = torch.cat([torch.arange(3 * 64, 4 * 64), torch.arange(64, 128)])
     write(k, v, expected, slots)
     assert torch.equal(big.view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.parametrize("name", ["cpu", "flash", "padded"])
+def test_strided_and_indexed_paths_write_and_read_the_same_bytes(name: str) -> None:
+    write, shape = LAYOUTS[name]
+    cache, _, _ = filled(name, 32, 9, 0, torch.float32)
+    strided = learn_layout(layer_for(write), cache, 9, 32, H, D)
+    indexed = dataclasses.replace(strided, halves=None)
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(2, 5 * 32, H, D, generator=g)
+    ids = [6, 7, 8, 2, 0]  # a run, a gap, out of order
+    a = torch.randn(shape(9, 32), generator=g)  # untouched blocks keep what they held
+    b = a.clone()
+    strided.scatter(a, ids, kv)
+    indexed.scatter(b, ids, kv)
+    assert torch.equal(a, b)
+    assert torch.equal(strided.gather(a, ids), kv)
+    assert torch.equal(indexed.gather(a, ids), kv)
+    # a cache with other strides than the one learned on takes the indexed path, correctly
+    wide = torch.zeros(*shape(9, 32)[:-1], shape(9, 32)[-1] * 2)[..., : shape(9, 32)[-1]]
+    strided.scatter(wide, ids, kv)
+    assert torch.equal(strided.gather(wide, ids), kv)
 
 
 def test_a_cache_too_small_for_its_kv_is_refused() -> None:

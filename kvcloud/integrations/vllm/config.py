@@ -68,6 +68,12 @@ class VLLMConnectorConfig:
     max_connections: int = field(default=16, metadata={"env": "KVCLOUD_MAX_CONNECTIONS"})
     """Parallel transfers per process."""
 
+    staging_mib: int = field(default=512, metadata={"env": "KVCLOUD_STAGING_MIB"})
+    """Host memory (MiB) kept between restores to receive pulled chunks before they are
+    written into vLLM's blocks. Reusing it spares every restore the page faults of fresh
+    memory (docs/VLLM.md has the measured gain); a restore needing more allocates what it
+    needs for itself. 0: allocate per restore."""
+
     connect_timeout: float = field(default=2.0, metadata={"env": "KVCLOUD_CONNECT_TIMEOUT"})
     """Seconds to connect to the store or index."""
 
@@ -99,6 +105,12 @@ class VLLMConnectorConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if (
+            isinstance(self.staging_mib, bool)
+            or not isinstance(self.staging_mib, int)
+            or (self.staging_mib < 0)
+        ):
+            raise ConfigError(f"staging_mib must be an integer >= 0, got {self.staging_mib!r}")
         for name in ("load_timeout", "connect_timeout", "read_timeout"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value <= 0:

@@ -8,9 +8,14 @@ row-major; FlashAttention uses ``[2, blocks, block_size, heads, head_dim]``; oth
 again. Rather than hard-code those shapes, ``learn_layout`` writes numbered probe values
 through the backend's own cache-write op (``impl.do_kv_cache_update``, the op the forward
 pass uses) into a one-block scratch tensor and reads back where each (K/V, token, head, dim)
-landed. The result is a permutation of one block's elements; gather and scatter are then one
-indexed copy each, for any backend whose block holds a permutation of its KV (every
-unquantized one).
+landed. The result is a permutation of one block's elements, for any backend whose block
+holds a permutation of its KV (every unquantized one).
+
+Every layout vLLM ships places K and V each at an affine position (an offset plus a stride per
+token, head and dim): the CPU backend's transposed K is just a different set of strides. When
+the learned permutation is affine, gather and scatter are strided copies through an
+``as_strided`` view of the cache (a few ms per layer); otherwise they fall back to an indexed
+copy of every element, which is correct for any permutation but several times slower.
 """
 
 from __future__ import annotations
@@ -30,6 +35,16 @@ _BASE = 64
 
 
 @dataclass(frozen=True)
+class HalfStrides:
+    """Where K (or V) of one block sits, in elements of the cache's storage."""
+
+    offset: int  # from the block's first element
+    token: int
+    head: int
+    dim: int
+
+
+@dataclass(frozen=True)
 class BlockLayout:
     """Where one block's K/V elements sit in a layer's cache tensor."""
 
@@ -43,6 +58,9 @@ class BlockLayout:
     positions: torch.Tensor
     covers_block: bool  # every element of a block is KV (a scatter needs no read first)
     natural: bool  # positions == arange: a block already is [2, block_size, heads, dim]
+    # K and V as strided views (and the cache strides they were learned on), when affine
+    halves: tuple[HalfStrides, HalfStrides] | None = None
+    cache_strides: tuple[int, ...] = ()
 
     @property
     def block_elems(self) -> int:
@@ -51,10 +69,18 @@ class BlockLayout:
     def gather(self, cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
         """KV of ``block_ids`` (in token order) as ``[2, n·block_size, heads, head_dim]``."""
         nb = len(block_ids)
+        n, h, d = self.block_size, self.num_kv_heads, self.head_dim
+        if self._strided(cache):
+            out = torch.empty(2, nb, n, h, d, dtype=cache.dtype, device=cache.device)
+            runs = _runs(block_ids)
+            for half in (0, 1):
+                view = self._half_view(cache, half)
+                for start, lo, hi in runs:
+                    out[half, start : start + hi - lo].copy_(view[lo:hi])
+            return out.view(2, nb * n, h, d)
         ids = torch.as_tensor(block_ids, dtype=torch.long, device=cache.device)
         flat = cache.index_select(self.block_dim, ids).movedim(self.block_dim, 0).reshape(nb, -1)
         canon = flat if self.natural else flat[:, self.positions]
-        n, h, d = self.block_size, self.num_kv_heads, self.head_dim
         return canon.view(nb, 2, n, h, d).transpose(0, 1).reshape(2, nb * n, h, d)
 
     def scatter(self, cache: torch.Tensor, block_ids: Sequence[int], kv: torch.Tensor) -> None:
@@ -63,6 +89,14 @@ class BlockLayout:
         n, h, d = self.block_size, self.num_kv_heads, self.head_dim
         if tuple(kv.shape) != (2, nb * n, h, d):
             raise LayoutError(f"expected KV of shape {[2, nb * n, h, d]}, got {list(kv.shape)}")
+        if self._strided(cache):
+            src = kv.reshape(2, nb, n, h, d)
+            runs = _runs(block_ids)
+            for half in (0, 1):
+                view = self._half_view(cache, half)
+                for start, lo, hi in runs:
+                    view[lo:hi].copy_(src[half, start : start + hi - lo])
+            return
         ids = torch.as_tensor(block_ids, dtype=torch.long, device=cache.device)
         canon = kv.to(cache.dtype).reshape(2, nb, n * h * d).transpose(0, 1).reshape(nb, -1)
         block_shape = [s for i, s in enumerate(cache.shape) if i != self.block_dim]
@@ -77,6 +111,59 @@ class BlockLayout:
             flat[:, self.positions] = canon
         blocks = flat.view(nb, *block_shape).movedim(0, self.block_dim)
         cache.index_copy_(self.block_dim, ids, blocks)
+
+    def _strided(self, cache: torch.Tensor) -> bool:
+        return self.halves is not None and cache.stride() == self.cache_strides
+
+    def _half_view(self, cache: torch.Tensor, half: int) -> torch.Tensor:
+        """K (half 0) or V (half 1) of every block as ``[blocks, block_size, heads, dim]``."""
+        assert self.halves is not None
+        s = self.halves[half]
+        return cache.as_strided(
+            (cache.shape[self.block_dim], self.block_size, self.num_kv_heads, self.head_dim),
+            (cache.stride(self.block_dim), s.token, s.head, s.dim),
+            cache.storage_offset() + s.offset,
+        )
+
+
+def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``block_ids`` as runs of consecutive ids: (index of the run's first, first id, end id)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, b in enumerate(block_ids):
+        if runs and runs[-1][2] == b:
+            start, lo, _ = runs[-1]
+            runs[-1] = (start, lo, b + 1)
+        else:
+            runs.append((i, b, b + 1))
+    return runs
+
+
+def _affine_halves(
+    positions: torch.Tensor, cache: torch.Tensor, block_dim: int, shape: tuple[int, int, int]
+) -> tuple[HalfStrides, HalfStrides] | None:
+    """K and V's storage strides, if the learned positions are affine in (token, head, dim)."""
+    block_shape = [s for i, s in enumerate(cache.shape) if i != block_dim]
+    block_strides = [s for i, s in enumerate(cache.stride()) if i != block_dim]
+    # logical offset within a block -> offset in the cache's storage
+    storage = torch.zeros_like(positions)
+    rest = positions.clone()
+    for size, stride in zip(reversed(block_shape), reversed(block_strides), strict=True):
+        storage += (rest % size) * stride
+        rest //= size
+    n, h, d = shape
+    t_idx = torch.arange(n).view(n, 1, 1)
+    h_idx = torch.arange(h).view(1, h, 1)
+    d_idx = torch.arange(d).view(1, 1, d)
+    halves = []
+    for half in storage.view(2, n, h, d):
+        off = int(half[0, 0, 0])
+        st = int(half[1, 0, 0]) - off if n > 1 else 0
+        sh = int(half[0, 1, 0]) - off if h > 1 else 0
+        sd = int(half[0, 0, 1]) - off if d > 1 else 0
+        if not torch.equal(half, off + t_idx * st + h_idx * sh + d_idx * sd):
+            return None
+        halves.append(HalfStrides(off, st, sh, sd))
+    return halves[0], halves[1]
 
 
 def find_block_dim(cache: torch.Tensor, num_blocks: int) -> int:
@@ -144,4 +231,6 @@ def learn_layout(
         positions=positions,
         covers_block=block_numel == n_elems,
         natural=bool(torch.equal(positions, torch.arange(n_elems))),
+        halves=_affine_halves(positions, cache, block_dim, (block_size, num_kv_heads, head_dim)),
+        cache_strides=tuple(cache.stride()),
     )

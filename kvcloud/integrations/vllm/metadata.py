@@ -17,39 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-
-@dataclass
-class LoadChunk:
-    position: int  # chunk index in the prompt
-    fp: bytes
-    parent: bytes
-    object_key: str
-    size: int
-    # vLLM block id for each block-sized slice of the chunk; -1 for a slice vLLM already
-    # holds (its own prefix-cache hit), which is left alone
-    block_ids: list[int]
-
-
-@dataclass
-class LoadSpec:
-    req_id: str
-    tenant: str
-    chunks: list[LoadChunk]
-
-
-@dataclass
-class SaveChunk:
-    position: int
-    fp: bytes
-    parent: bytes
-    block_ids: list[int]
-
-
-@dataclass
-class SaveSpec:
-    req_id: str
-    tenant: str
-    chunks: list[SaveChunk]
+from .specs import LoadSpec, SaveSpec
 
 
 @dataclass

@@ -22,7 +22,8 @@ from ...client import KVCloud, Match
 from ...namespace import Namespace
 from .config import VLLMConnectorConfig
 from .keys import request_tenant
-from .metadata import KVCloudConnectorMetadata, LoadChunk, LoadSpec, SaveChunk, SaveSpec
+from .metadata import KVCloudConnectorMetadata
+from .specs import LoadChunk, LoadSpec, SaveChunk, SaveSpec
 
 log = logging.getLogger("vllm.kvcloud")
 

@@ -1,12 +1,14 @@
 """Worker side: move KV between kvcloud objects and vLLM's paged blocks.
 
-Loads: ``start_load_kv`` starts pulling every matched object (in parallel, verified as they
-land) into a staging array in kvcloud's layout; each attention layer's
-``wait_for_layer_load`` waits for the pulls (bounded by ``load_timeout``) and scatters only
-that layer into the request's blocks, so the forward pass runs while later layers are still
-to be written. A chunk that is missing, corrupt, late or unreachable — and every chunk after
-it — becomes a set of block ids reported through ``get_block_ids_with_load_errors``; vLLM
-then recomputes exactly those tokens. Nothing here raises into vLLM.
+Loads: ``start_load_kv`` starts pulling every matched object in parallel, each streamed
+straight into its own slice of a staging array in kvcloud's layout and hashed as it lands;
+each attention layer's ``wait_for_layer_load`` waits for the pulls (bounded by
+``load_timeout``) and writes only that layer of the verified chunks into the request's blocks,
+so the forward pass runs while later layers are still to be written. No byte of a chunk
+reaches vLLM's cache before the chunk is verified (DESIGN §4.3). A chunk that is missing,
+corrupt, late or unreachable — and every chunk after it — becomes a set of block ids reported
+through ``get_block_ids_with_load_errors``; vLLM then recomputes exactly those tokens.
+Nothing here raises into vLLM.
 
 Saves: ``save_kv_layer`` copies each layer's slice of the chunks the step completed into a
 staging array right after the layer ran; ``wait_for_save`` hands whole chunks to a bounded
@@ -18,11 +20,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import math
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,8 +36,11 @@ from ...namespace import Namespace
 from .._torch import to_numpy
 from .config import VLLMConnectorConfig
 from .layout import BlockLayout, learn_layout
-from .metadata import KVCloudConnectorMetadata, LoadSpec, SaveSpec
+from .specs import LoadSpec, SaveSpec
 from .uploader import Uploader
+
+if TYPE_CHECKING:
+    from .metadata import KVCloudConnectorMetadata
 
 log = logging.getLogger("vllm.kvcloud")
 
@@ -48,10 +54,10 @@ _TORCH_DTYPES = {
 @dataclass
 class _Load:
     spec: LoadSpec
-    staging: torch.Tensor  # [layers, 2, chunks·chunk_tokens, heads, dim]
-    future: cf.Future | None
+    staging: torch.Tensor  # [chunks, layers, 2, chunk_tokens, heads, dim]
+    future: cf.Future[int]
     deadline: float
-    ok_chunks: int = -1  # known once the pull finished (or timed out)
+    ok_chunks: int = -1  # verified chunks (a prefix), known once the pull is over
     layers_done: set[int] = field(default_factory=set)
 
 
@@ -89,6 +95,8 @@ class WorkerSide:
         self.layer_index: dict[str, int] = {}
         self.layouts: dict[str, BlockLayout] = {}
         self._loads: list[_Load] = []
+        self._kept: torch.Tensor | None = None  # staging reused across restores
+        self._kept_users: list[cf.Future[int]] = []
         self._saves: list[_Save] = []
         self._failed_blocks: set[int] = set()
 
@@ -142,16 +150,38 @@ class WorkerSide:
     # -- loads ------------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KVCloudConnectorMetadata) -> None:
-        for spec in meta.loads:
-            if not spec.chunks:
-                continue
-            c = self.ns.chunk_tokens
-            staging = torch.empty(
-                self.ns.kv_shape(len(spec.chunks) * c), dtype=_TORCH_DTYPES[self.ns.dtype]
-            )
-            deadline = time.monotonic() + self.cfg.load_timeout
+        specs = [spec for spec in meta.loads if spec.chunks]
+        if not specs:
+            return
+        buf = self._staging(sum(len(spec.chunks) for spec in specs))
+        first = 0
+        for spec in specs:
+            # one contiguous [layers, 2, chunk_tokens, heads, dim] per chunk, so each
+            # object streams straight in and is hashed as it lands
+            staging = buf[first : first + len(spec.chunks)]
+            first += len(spec.chunks)
             future = self._pool.submit(self._pull, spec, staging)
+            if self._kept is not None and buf.data_ptr() == self._kept.data_ptr():
+                self._kept_users.append(future)
+            deadline = time.monotonic() + self.cfg.load_timeout
             self._loads.append(_Load(spec, staging, future, deadline))
+
+    def _staging(self, n_chunks: int) -> torch.Tensor:
+        """Room for ``n_chunks`` pulled chunks: the kept buffer when it is free and big
+        enough (a timed-out pull may still be writing into it), else fresh memory."""
+        shape = (n_chunks, *self.ns.kv_shape(self.ns.chunk_tokens))
+        dtype = _TORCH_DTYPES[self.ns.dtype]
+        free = all(f.done() for f in self._kept_users)
+        if free:
+            self._kept_users = []
+            kept = self._kept
+            if kept is not None and kept.shape[0] >= n_chunks:
+                return kept[:n_chunks]
+            nbytes = math.prod(shape) * dtype.itemsize
+            if nbytes <= self.cfg.staging_mib << 20:
+                self._kept = torch.empty(shape, dtype=dtype)
+                return self._kept
+        return torch.empty(shape, dtype=dtype)
 
     def _pull(self, spec: LoadSpec, staging: torch.Tensor) -> int:
         c = self.ns.chunk_tokens
@@ -160,17 +190,23 @@ class WorkerSide:
             for ch in spec.chunks
         )
         m = Match(self.ns, spec.tenant, refs, refs[-1].position + 1)
-        arr = to_numpy(staging)
-        dests = [arr[:, :, i * c : (i + 1) * c] for i in range(len(refs))]
-        res = self.client.pull_into(m, dests)
+        started = time.monotonic()
+        res = self.client.pull_into(m, list(to_numpy(staging)))
+        log.debug(
+            "kvcloud: pulled %d of %d chunks (%d bytes) for %s in %.0f ms",
+            res.chunks,
+            len(refs),
+            res.bytes,
+            spec.req_id,
+            1e3 * (time.monotonic() - started),
+        )
         self.count(loaded_bytes=res.bytes)
         return res.chunks
 
     def _settle(self, load: _Load) -> None:
-        """Wait (until the deadline) for a load's pulls; record what failed."""
+        """Wait (until the deadline) for a load's pulls; the verified chunks are a prefix."""
         if load.ok_chunks >= 0:
             return
-        assert load.future is not None
         try:
             load.ok_chunks = load.future.result(max(0.0, load.deadline - time.monotonic()))
         except cf.TimeoutError:
@@ -184,64 +220,57 @@ class WorkerSide:
         except Exception as exc:
             log.warning("kvcloud restore of %s failed: %s: recomputing", load.spec.req_id, exc)
             load.ok_chunks = 0
-        for ch in load.spec.chunks[load.ok_chunks :]:
-            self._failed_blocks.update(b for b in ch.block_ids if b >= 0)
-        failed = sum(1 for ch in load.spec.chunks[load.ok_chunks :] for b in ch.block_ids if b >= 0)
-        loaded = sum(1 for ch in load.spec.chunks[: load.ok_chunks] for b in ch.block_ids if b >= 0)
-        self.count(load_failed_blocks=failed, loaded_tokens=loaded * self.block_size)
 
-    def _inject(self, load: _Load, name: str) -> None:
+    def _write_layer(self, load: _Load, name: str) -> None:
         layer = self.layer_index[name]
         if layer in load.layers_done:
             return
         self._settle(load)
         load.layers_done.add(layer)
-        c, bs = self.ns.chunk_tokens, self.block_size
+        bs = self.block_size
         cache, layout = self.caches[name], self.layouts[name]
-        ids: list[int] = []
-        rows: list[int] = []
         for i, ch in enumerate(load.spec.chunks[: load.ok_chunks]):
-            for k, b in enumerate(ch.block_ids):
-                if b >= 0:
-                    ids.append(b)
-                    rows.append(i * c + k * bs)
-        if not ids:
-            return
-        kv = load.staging[layer]  # [2, T, H, D]
-        if rows == list(range(rows[0], rows[0] + len(rows) * bs, bs)):
-            src = kv[:, rows[0] : rows[0] + len(rows) * bs]
-        else:
-            src = torch.cat([kv[:, r : r + bs] for r in rows], dim=1)
-        layout.scatter(cache, ids, src)
+            kv = load.staging[i, layer]  # [2, chunk_tokens, heads, dim]
+            # blocks vLLM already holds are -1: write each run of the others in one go
+            k = 0
+            while k < len(ch.block_ids):
+                if ch.block_ids[k] < 0:
+                    k += 1
+                    continue
+                end = k
+                while end < len(ch.block_ids) and ch.block_ids[end] >= 0:
+                    end += 1
+                layout.scatter(cache, ch.block_ids[k:end], kv[:, k * bs : end * bs])
+                k = end
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if layer_name not in self.layer_index:
             return
         for load in self._loads:
             try:
-                self._inject(load, layer_name)
+                self._write_layer(load, layer_name)
             except Exception as exc:  # never into vLLM: the blocks are recomputed instead
                 log.warning("kvcloud: could not write %s into vLLM's cache: %s", layer_name, exc)
-                self._fail(load)
-
-    def _fail(self, load: _Load) -> None:
-        load.ok_chunks = 0
-        for ch in load.spec.chunks:
-            self._failed_blocks.update(b for b in ch.block_ids if b >= 0)
+                load.ok_chunks = 0
 
     def _finish_loads(self) -> None:
-        """After the forward pass: a load whose layers were not all written is a failure."""
+        """After the forward pass: report every chunk not verified and written in full."""
         for load in self._loads:
-            if load.ok_chunks < 0:
-                self._settle(load)
-            if load.ok_chunks > 0 and len(load.layers_done) < self.ns.num_layers:
+            self._settle(load)
+            ok = load.ok_chunks
+            if ok > 0 and len(load.layers_done) < self.ns.num_layers:
                 log.warning(
                     "kvcloud: only %d of %d layers of %s were written; recomputing",
                     len(load.layers_done),
                     self.ns.num_layers,
                     load.spec.req_id,
                 )
-                self._fail(load)
+                ok = 0
+            chunks = load.spec.chunks
+            failed = [b for ch in chunks[ok:] for b in ch.block_ids if b >= 0]
+            loaded = sum(1 for ch in chunks[:ok] for b in ch.block_ids if b >= 0)
+            self._failed_blocks.update(failed)
+            self.count(load_failed_blocks=len(failed), loaded_tokens=loaded * self.block_size)
         self._loads = []
 
     def get_block_ids_with_load_errors(self) -> set[int]:
