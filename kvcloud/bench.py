@@ -45,7 +45,7 @@ import numpy as np
 
 from . import __version__
 from .client import KVCloud
-from .config import KVCloudConfig, redact_url
+from .config import KVCloudConfig
 from .crypto import ALG
 from .errors import KVCloudError
 from .indexes.base import Index, IndexEntry
@@ -55,6 +55,7 @@ from .segment import content_digest, encode_segment, object_key
 from .stores.base import ObjectStore
 from .stores.file import FileStore
 from .stores.s3 import S3Store
+from .urls import redact_url
 
 BENCH_MODEL = "kvcloud-bench"  # namespace model of everything the bench writes
 BENCH_ENC_TENANT = "kvcloud-bench-encrypted"  # the bench's encrypting tenant (--encrypt)

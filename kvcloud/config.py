@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from .errors import ConfigError
+from .urls import env_bool
 
 if TYPE_CHECKING:
     from .indexes.base import Index
@@ -25,7 +25,6 @@ log = logging.getLogger("kvcloud")
 # Used when KVCLOUD_SECRET is unset, so a laptop demo works; logged loudly because with it
 # anyone can compute anyone's fingerprints.
 INSECURE_DEFAULT_SECRET = b"kvcloud-insecure-default-secret"
-_SECRET_QUERY_KEYS = {"password", "secret", "token", "aws_secret_access_key", "secret_key", "key"}
 
 
 def default_home() -> Path:
@@ -41,36 +40,6 @@ def default_index_url() -> str:
     return f"sqlite://{default_home() / 'index.db'}"
 
 
-def redact_url(url: str) -> str:
-    """The URL with password and secret-looking query values replaced by ``***``."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable url>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, host = netloc.rsplit("@", 1)
-        user = userinfo.split(":", 1)[0]
-        netloc = f"{user}:***@{host}" if ":" in userinfo else f"***@{host}"
-    query = urlencode(
-        [
-            (k, "***" if k.lower() in _SECRET_QUERY_KEYS else v)
-            for k, v in parse_qsl(parts.query, keep_blank_values=True)
-        ],
-        safe="/:",
-    )
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
-
-
-def _env_bool(value: str) -> bool:
-    v = value.strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off", ""):
-        return False
-    raise ConfigError(f"expected a boolean, got {value!r}")
-
-
 def env_values(cls: Any, env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Values for a dataclass from the environment variables named in its fields' metadata
     (``metadata={"env": NAME}``), converted by field type; a bad value is a ConfigError that
@@ -84,7 +53,7 @@ def env_values(cls: Any, env: Mapping[str, str] | None = None) -> dict[str, Any]
             continue
         try:
             if f.type in ("bool", bool):
-                values[f.name] = _env_bool(raw)
+                values[f.name] = env_bool(raw)
             elif f.type in ("int", int):
                 values[f.name] = int(raw)
             elif f.type in ("float", float):
@@ -200,14 +169,3 @@ class KVCloudConfig:
             connect_timeout=self.connect_timeout,
             read_timeout=self.read_timeout,
         )
-
-
-def split_url(url: str) -> tuple[str, str, str, dict[str, str]]:
-    """(scheme, netloc, path, query options) with a clear error for garbage."""
-    try:
-        parts = urlsplit(url)
-    except ValueError as exc:
-        raise ConfigError(f"malformed URL {redact_url(url)!r}: {exc}") from None
-    if not parts.scheme:
-        raise ConfigError(f"URL {redact_url(url)!r} has no scheme (file://, s3://, redis://, …)")
-    return parts.scheme.lower(), parts.netloc, parts.path, dict(parse_qsl(parts.query))

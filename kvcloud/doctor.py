@@ -17,11 +17,12 @@ from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
-from .config import KVCloudConfig, redact_url
+from .config import KVCloudConfig
 from .errors import KVCloudError, StoreUnavailableError
 from .indexes import open_index
 from .stores import open_store
 from .stores.base import ObjectStore
+from .urls import redact_url
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -257,8 +258,8 @@ def check_index(url: str, cfg: KVCloudConfig) -> Iterator[Check]:
 
 
 def _check_sqlite_path(url: str) -> Iterator[Check]:
-    from .config import split_url
     from .indexes import _sqlite_path
+    from .urls import split_url
 
     _scheme, netloc, path, _query = split_url(url)
     try:

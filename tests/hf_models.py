@@ -13,7 +13,8 @@ from typing import Any
 
 KINDS = ("llama", "qwen2", "mistral")
 
-# Llama-3-style and ChatML (Qwen2) templates, the two shapes most checkpoints use.
+# Llama-3-style and ChatML (Qwen2, with its default system prompt) templates, the two shapes
+# most checkpoints use; Mistral's [INST] below.
 LLAMA_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
@@ -25,6 +26,17 @@ CHATML_TEMPLATE = (
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Mistral-7B-Instruct-v0.1's shape: [INST] markers as plain text, the reply closed by EOS
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/...') }}"
+    "{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+    "{% endif %}{% endfor %}"
 )
 
 QWEN2_SPLIT = (
@@ -58,6 +70,9 @@ def build_tokenizer(kind: str, out: Path, vocab_size: int = 320) -> Any:
     if kind == "qwen2":
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
         bos, eos, template = None, "<|im_end|>", CHATML_TEMPLATE
+    elif kind == "mistral":
+        specials = ["<s>", "</s>"]
+        bos, eos, template = "<s>", "</s>", MISTRAL_TEMPLATE
     else:
         specials = ["<s>", "</s>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
         bos, eos, template = "<s>", "</s>", LLAMA_TEMPLATE

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from kvcloud import KVCloud, __version__
-from kvcloud.config import redact_url
+from kvcloud.urls import redact_url
 
 from .config import WorkerOptions
 from .engine import Engine
@@ -778,7 +778,7 @@ def run_costmodel_bench(
 ) -> dict[str, Any]:
     """Phases: store fast → throttled to ``rate`` bytes/s → fast again. Each request is a new
     prompt whose KV is in the store; we record what the engine chose and its TTFT."""
-    from kvcloud.netem import ShapingProxy
+    from .netem import ShapingProxy
 
     own = workdir is None
     wd = Path(tempfile.mkdtemp(prefix="kvcloud-bench-")) if own else Path(workdir)

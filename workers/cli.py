@@ -23,8 +23,8 @@ from typing import Any
 
 import uvicorn
 
-from kvcloud.config import redact_url
 from kvcloud.errors import KVCloudError
+from kvcloud.urls import redact_url
 
 from .config import WRITE_POLICIES, WorkerOptions
 from .errors import WorkerError

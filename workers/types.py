@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -16,6 +17,14 @@ class CompletionRequest:
     tenant: str = "default"
     stop_at_eos: bool = True
     add_bos: bool = False  # prepend BOS when the model input would otherwise start empty
+    # a chat turn of a session: the new messages. The model input is then the chat template
+    # rendered over the session's whole conversation plus these (prompt_tokens unused), and
+    # the session's KV is reused up to the longest common token prefix
+    messages: list[dict[str, str]] | None = None
+    # streaming: called (on the engine's thread) with each generated token as it is sampled;
+    # returning False stops generation there (the client went away). What was generated up
+    # to that point is a complete turn: it is in the session, KV and history alike.
+    on_token: Callable[[int], bool] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass

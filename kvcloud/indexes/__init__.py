@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
-from ..config import redact_url, split_url
 from ..errors import ConfigError
+from ..urls import redact_url, split_url
 from .base import DEFAULT_TTL_SECONDS, EntryRecord, Index, IndexEntry
 from .sqlite import SQLiteIndex
 

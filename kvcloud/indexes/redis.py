@@ -43,8 +43,8 @@ from redis import exceptions as rexc
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from ..config import redact_url
 from ..errors import ConfigError, IndexBackendError, IndexUnavailableError
+from ..urls import redact_url
 from .base import DEFAULT_TTL_SECONDS, EntryRecord, Index, IndexEntry
 
 log = logging.getLogger("kvcloud.index")

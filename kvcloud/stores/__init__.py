@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import unquote
 
-from ..config import _env_bool, redact_url, split_url
 from ..errors import ConfigError
+from ..urls import env_bool, redact_url, split_url
 from .base import ObjectInfo, ObjectStore
 from .file import FileStore
 
@@ -51,7 +51,7 @@ def open_store(
             raise ConfigError(f"{redact_url(url)!r} names no directory (file:///path)")
         if "fsync" in query:
             try:
-                fsync = _env_bool(query["fsync"])
+                fsync = env_bool(query["fsync"])
             except ConfigError as exc:
                 raise ConfigError(f"{redact_url(url)!r}: fsync: {exc}") from None
         return FileStore(root, fsync=fsync, max_workers=max_workers)

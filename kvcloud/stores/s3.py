@@ -17,8 +17,8 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode, urlsplit
 
-from ..config import _env_bool, redact_url, split_url
 from ..errors import ConfigError, ObjectNotFoundError, StoreError, StoreUnavailableError
+from ..urls import env_bool, redact_url, split_url
 from .base import Buffer, ObjectInfo, ObjectStore, validate_key
 
 if TYPE_CHECKING:
@@ -245,9 +245,9 @@ _CONVERTERS: dict[str, Callable[[str], Any]] = {
     "max_attempts": int,
     "connect_timeout": float,
     "read_timeout": float,
-    "conditional_put": _env_bool,
-    "create_bucket": _env_bool,
-    "sign_payload": _env_bool,
+    "conditional_put": env_bool,
+    "create_bucket": env_bool,
+    "sign_payload": env_bool,
 }
 
 

@@ -16,9 +16,10 @@ import pytest
 import yaml
 
 from kvcloud.cli import build_parser
-from kvcloud.config import KVCloudConfig, split_url
+from kvcloud.config import KVCloudConfig
 from kvcloud.indexes import KNOWN_SCHEMES as INDEX_SCHEMES
 from kvcloud.stores import S3Config
+from kvcloud.urls import split_url
 from workers.config import WorkerOptions
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -45,3 +45,23 @@ def test_the_check_sees_a_heavy_import() -> None:
     """The check above can fail: it does report torch when something imports it."""
     pytest.importorskip("torch")
     assert loaded_after("kvcloud", "torch") == ["torch"]
+
+
+def test_backends_sit_below_the_configuration() -> None:
+    """``config`` chooses stores and indexes; they must not import it back (a cycle that made
+    every backend drag in the whole configuration). Their URL helpers live in ``urls``."""
+    import ast
+    from pathlib import Path
+
+    import kvcloud
+
+    root = Path(kvcloud.__file__).parent
+    offenders = []
+    for path in [*root.glob("stores/*.py"), *root.glob("indexes/*.py"), root / "urls.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                target = ("." * node.level) + (node.module or "")
+                if target.lstrip(".") == "config" or target.endswith("kvcloud.config"):
+                    offenders.append(f"{path.relative_to(root)}: from {target} import …")
+    assert offenders == []
+    assert not (root / "netem.py").exists()  # a benchmark tool, not the library

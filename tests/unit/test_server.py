@@ -185,7 +185,7 @@ def test_chat_completion_shape(client: TestClient, engine: Engine) -> None:
     assert len(r.json()["choices"][0]["token_ids"]) <= 2
 
 
-def test_chat_turns_in_a_session_append_to_the_history(client: TestClient) -> None:
+def test_chat_turns_in_a_session_render_the_whole_conversation(client: TestClient) -> None:
     sid = client.post("/v1/sessions").json()["id"]
     turn = {"max_tokens": 4, "session_id": sid, "ignore_eos": True}
     first = client.post(
@@ -195,8 +195,18 @@ def test_chat_turns_in_a_session_append_to_the_history(client: TestClient) -> No
         "/v1/chat/completions", json={**turn, "messages": [{"role": "user", "content": "More."}]}
     ).json()
     assert first["kvcloud"]["session_id"] == sid == second["kvcloud"]["session_id"]
-    # only the new message is rendered and appended: the input is the history plus it
-    assert second["usage"]["prompt_tokens"] > first["kvcloud"]["session_tokens"]
+    # the input is the template over the whole conversation, the reply as generated included
+    reply = first["choices"][0]["message"]["content"]
+    whole = [
+        {"role": "user", "content": LONG_TEXT},
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "More."},
+    ]
+    stateless = client.post(
+        "/v1/chat/completions", json={"max_tokens": 4, "ignore_eos": True, "messages": whole}
+    ).json()
+    assert second["usage"]["prompt_tokens"] == stateless["usage"]["prompt_tokens"]
+    assert second["choices"][0]["message"] == stateless["choices"][0]["message"]
     assert second["kvcloud"]["session_tokens"] == second["usage"]["total_tokens"]
     assert second["kvcloud"]["tokens_local"] > 0
 
@@ -270,7 +280,11 @@ def test_unknown_session_is_404(client: TestClient) -> None:
         ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos"),
         ({"prompt": "x", "session_id": 5}, "session_id"),
         ({"prompt": "x", "session_id": "../../etc/passwd"}, "session_id"),
-        ({"prompt": "x", "stream": True}, "stream"),
+        ({"prompt": "x", "stream": "yes"}, "stream"),
+        (
+            {"prompt": "x", "stream": True, "stream_options": {"include_usage": 3}},
+            "stream_options.include_usage",
+        ),
         ({"prompt": "x", "n": 2}, "n"),
         ({"prompt": 5}, "prompt"),
         ({"prompt": [1, "a"]}, "prompt.1"),
@@ -406,6 +420,19 @@ def test_healthz(client: TestClient, engine: Engine) -> None:
     h = r.json()
     assert h["status"] == "ok" and h["model"] == engine.model_name
     assert h["worker_id"] == "test-worker" and h["store"] is None
+
+
+def test_healthz_shows_backend_urls_as_given_without_secrets(tmp_path: Path) -> None:
+    # an absolute SQLite path is four slashes; shown with three it would be a relative path
+    index = f"sqlite:///{tmp_path / 'index.db'}"
+    store = f"file://{tmp_path / 'objects'}?fsync=false"
+    eng = Engine(tiny_options(store=store, index=index))
+    try:
+        h = TestClient(create_app(eng)).get("/healthz").json()
+        assert h["index"] == index and h["index"].startswith("sqlite:////")
+        assert h["store"] == store
+    finally:
+        eng.close()
 
 
 def test_metrics_are_prometheus_text(client: TestClient) -> None:
@@ -545,3 +572,111 @@ def test_cli_serve_answers_and_sigterm_flushes(tmp_path: Path) -> None:
         assert info.stored and info.tokens == tokens and 0 < info.kv_tokens <= tokens
     finally:
         eng.close()
+
+
+# -- streaming --------------------------------------------------------------------------------
+
+
+def sse_events(r: httpx.Response) -> list[Any]:
+    """The ``data:`` payloads of an SSE body, ``[DONE]`` as the string."""
+    assert r.headers["content-type"].startswith("text/event-stream"), r.text
+    out: list[Any] = []
+    for block in r.text.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        data = block[len("data: ") :]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_stream_equals_the_whole_answer(client: TestClient, chat: bool) -> None:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body: dict[str, Any] = {"max_tokens": 24, "ignore_eos": True, "return_token_ids": True}
+    if chat:
+        body["messages"] = [{"role": "user", "content": "Tell me about foxes. ü ✓"}]
+    else:
+        body["prompt"] = "Tell me about foxes. ü ✓"
+    whole = client.post(path, json=body).json()
+    r = client.post(path, json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200
+    events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    *chunks, usage = events[:-1]
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    assert all(c["object"] == kind and c["id"] == chunks[0]["id"] for c in chunks)
+    assert all(c["usage"] is None for c in chunks)
+    assert usage["choices"] == []
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [usage["usage"][k] for k in counts] == [whole["usage"][k] for k in counts]
+    # the second run found the first one's prompt pages in the prefix cache
+    assert usage["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert usage["kvcloud"]["session_id"] is None and usage["kvcloud"]["ttft_ms"] > 0
+    choices = [c["choices"][0] for c in chunks]
+    if chat:
+        assert choices[0]["delta"] == {"role": "assistant", "content": ""}
+        text = "".join(c["delta"].get("content", "") for c in choices)
+        assert text == whole["choices"][0]["message"]["content"]
+    else:
+        text = "".join(c["text"] for c in choices)
+        assert text == whole["choices"][0]["text"]
+    assert [t for c in choices for t in c["token_ids"]] == whole["choices"][0]["token_ids"]
+    assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"]
+    assert len(choices) > 3  # tokens went out as they came, not in one piece
+
+
+def test_stream_failing_before_the_first_token_is_an_ordinary_error(client: TestClient) -> None:
+    r = client.post(
+        "/v1/completions", json={"prompt": "x", "stream": True, "session_id": UNKNOWN_SESSION}
+    )
+    assert error_of(r, 404)["code"] == "session_not_found"
+
+
+def test_error_mid_stream_is_an_error_event(engine: Engine, monkeypatch: Any) -> None:
+    real = engine.complete
+
+    def fails_after_two(req: Any) -> Any:
+        assert req.on_token is not None
+        req.on_token(65)
+        req.on_token(66)
+        raise CacheFullError("every KV page is in use")
+
+    monkeypatch.setattr(engine, "complete", fails_after_two)
+    try:
+        c = TestClient(create_app(engine), raise_server_exceptions=False)
+        r = c.post("/v1/completions", json={"prompt": "x", "stream": True})
+    finally:
+        monkeypatch.setattr(engine, "complete", real)
+    events = sse_events(r)
+    assert [e["choices"][0]["text"] for e in events[:2]] == ["A", "B"]
+    assert events[2]["error"]["message"] == "every KV page is in use"
+    assert events[2]["error"]["type"] == "server_error"
+    assert len(events) == 3  # no [DONE] after an error
+
+
+def test_a_stream_whose_reader_leaves_ends_the_turn_consistently(engine: Engine) -> None:
+    """The engine side of a disconnect: generation stops at the next token, and the session
+    holds exactly the prompt and the tokens generated, with their KV (checked by continuing
+    it and comparing with a session that never streamed)."""
+    from workers.types import CompletionRequest
+
+    prompt = list(LONG_TEXT.encode())
+    got: list[int] = []
+
+    def reader(tok: int) -> bool:
+        got.append(tok)
+        return len(got) < 5  # gone after the fifth token
+
+    sid = engine.create_session("default")
+    res = engine.complete(
+        CompletionRequest(prompt, max_tokens=50, session_id=sid, on_token=reader, stop_at_eos=False)
+    )
+    assert res.tokens == got and len(got) == 5
+    info = engine.session_info(sid, "default")
+    assert info.tokens == len(prompt) + 5  # the prompt, then the five tokens
+    nxt = engine.complete(CompletionRequest(list(b" More."), max_tokens=6, session_id=sid))
+    ref = engine.create_session("default")
+    engine.complete(CompletionRequest(prompt, max_tokens=5, session_id=ref, stop_at_eos=False))
+    want = engine.complete(CompletionRequest(list(b" More."), max_tokens=6, session_id=ref))
+    assert nxt.tokens == want.tokens

@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 
-from ._closing import Closing
+from kvcloud._closing import Closing
 
 
 class _Bucket:

@@ -1,0 +1,285 @@
+"""Sessions: a conversation's token history (and, for chat, its messages) with the KV pages
+that hold it; created, restored from kvcloud on any worker, trimmed, flushed.
+
+``SessionsMixin`` is one part of ``workers.engine.Engine``.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvcloud import KVCloudError, SessionNotFoundError
+
+from .errors import (
+    SessionUnknownError,
+    StoreUnavailableError,
+)
+from .kvpages import Slot, _Acquired
+from .types import FlushResult, SessionInfo
+
+log = logging.getLogger("kvcloud.worker")
+
+
+@dataclass
+class LocalSession:
+    session_id: str
+    tenant: str
+    tokens: list[int] = field(default_factory=list)
+    slots: list[Slot] = field(default_factory=list)  # KV of tokens[:kv_len]
+    kv_len: int = 0
+    dirty: bool = False  # history changed since the last flush
+    stored: bool = False  # a record exists in the index
+    busy: bool = False  # a request is using its slots right now
+    # a chat session's conversation (messages, assistant replies as generated); None for a
+    # session driven by /v1/completions, whose history is plain concatenated tokens
+    messages: list[dict[str, str]] | None = None
+
+
+class SessionsMixin:
+    """Session bookkeeping and persistence (mixed into ``Engine``)."""
+
+    def _restore_session(self, session_id: str, tenant: str) -> tuple[LocalSession, int, int]:
+        """Load a session another worker flushed. Returns it with (local, remote) tokens."""
+        if self.kv is None:
+            raise SessionUnknownError(f"unknown session {session_id!r}")
+        try:
+            rec = self.kv.load_session(self.ns, session_id, tenant)
+        except SessionNotFoundError:
+            raise SessionUnknownError(f"unknown session {session_id!r}") from None
+        except KVCloudError as exc:
+            # the index is down or the record is unreadable: the history is unknown, so the
+            # only correct answer is "try again" (503), not a guess and not "no such session"
+            log.warning("could not load session %s: %s", session_id[:12], exc)
+            raise StoreUnavailableError(
+                f"session {session_id!r} could not be loaded from the index; retry"
+            ) from None
+        sess = LocalSession(
+            session_id,
+            tenant,
+            tokens=[int(t) for t in rec.tokens],
+            stored=True,
+            messages=_messages_from(rec.meta),
+        )
+        acq = _Acquired(slots=[], cached=0)
+        n_full = rec.kv_tokens // self.c
+        fps = self._fps(sess.tokens[: n_full * self.c], tenant)
+        # local pages first, then the index. A session's own history is always pulled, even
+        # when the cost model would recompute: recomputed KV differs in the last bits from
+        # what the conversation was computed with, and a moved session must continue
+        # bit-identically.
+        self._extend_with_chunks(acq, fps, tenant, costed=False)
+        if acq.cached < n_full * self.c:
+            # entries may have expired while the record still names the objects
+            m = self.kv.session_match(self.ns, rec, tenant)
+            self._pull_new_pages(acq, m, m.chunks[acq.cached // self.c :])
+        if acq.cached == n_full * self.c and rec.tail_key is not None:
+            page = self._alloc()
+            if self.device.type == "cpu":
+                n_tail = self.kv.pull_tail(self.ns, rec, self.pool.host_view(page), tenant)
+            else:
+                buf = np.empty(self.ns.kv_shape(self.c), self.ns.dtype_info.storage)
+                n_tail = self.kv.pull_tail(self.ns, rec, buf, tenant)
+                if n_tail:
+                    self.pool.from_host(page, buf[:, :, :n_tail])
+            if n_tail:
+                acq.slots.append(Slot(page, None))
+                acq.cached += n_tail
+                acq.remote += n_tail
+            else:
+                self.pool.release(page)
+        if acq.cached < rec.kv_tokens:
+            self.metrics.fallbacks.inc()
+        sess.slots, sess.kv_len = acq.slots, acq.cached
+        return sess, acq.local, acq.remote
+
+    def create_session(self, tenant: str) -> str:
+        sid = "sess_" + secrets.token_hex(16)
+        with self._lock:
+            sess = LocalSession(sid, tenant)
+            self.sessions[(tenant, sid)] = sess
+            self._trim_sessions()
+            if self.kv is not None:
+                try:
+                    self.kv.write_session(self.ns, sid, [], 0, [], None, tenant)
+                    sess.stored = True
+                except KVCloudError as exc:
+                    log.warning("could not record new session: %s", exc)
+            self._update_gauges()
+        return sid
+
+    def _trim_sessions(self) -> None:
+        while len(self.sessions) > self.options.max_sessions:
+            for key, sess in self.sessions.items():
+                if not sess.busy:
+                    if self.kv is not None and sess.dirty:
+                        self._flush_locked(sess)
+                    self._release_slots(sess.slots)
+                    del self.sessions[key]
+                    break
+            else:
+                return
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    def _get_session(self, session_id: str, tenant: str) -> LocalSession:
+        sess = self.sessions.get((tenant, session_id))
+        if sess is None:
+            raise SessionUnknownError(f"unknown session {session_id!r}")
+        return sess
+
+    def _flush_locked(self, sess: LocalSession) -> FlushResult:
+        if self.kv is None:
+            return FlushResult(sess.session_id, len(sess.tokens), 0, 0, 0, stored=False)
+        c = self.c
+        n_full = sess.kv_len // c
+        fps = self._fps(sess.tokens[: n_full * c], sess.tenant)
+        chunks = []
+        for j in range(n_full):
+            parent = fps[j - 1] if j else self.ns.digest
+            chunks.append((fps[j], parent, self._page_array(sess.slots[j].page)))
+        try:
+            with self.metrics.push_seconds.time():
+                res = self.kv.push_chunks(self.ns, chunks, tenant=sess.tenant)
+            if res.bytes_written:
+                self.metrics.pushed_bytes.inc(res.bytes_written)
+            tail_key = None
+            if sess.kv_len % c:
+                parent = fps[-1] if fps else self.ns.digest
+                n_tail = sess.kv_len - n_full * c
+                tail_key = self.kv.store_tail(
+                    self.ns,
+                    parent,
+                    sess.tokens[n_full * c : sess.kv_len],
+                    self._page_array(sess.slots[n_full].page, n_tail),
+                    sess.tenant,
+                )
+            self.kv.write_session(
+                self.ns,
+                sess.session_id,
+                sess.tokens,
+                sess.kv_len,
+                res.keys,
+                tail_key,
+                sess.tenant,
+                meta={"messages": sess.messages} if sess.messages is not None else None,
+            )
+        except KVCloudError:
+            self.metrics.flushes.labels("failed").inc()
+            raise
+        for s in sess.slots[:n_full]:
+            cp = self.prefix.get(s.fp) if s.fp is not None else None
+            if cp is not None:
+                cp.stored = True
+        sess.dirty = False
+        sess.stored = True
+        self.metrics.flushes.labels("ok").inc()
+        return FlushResult(
+            sess.session_id,
+            len(sess.tokens),
+            sess.kv_len,
+            res.pushed,
+            res.bytes_written,
+            stored=True,
+        )
+
+    def flush_session(self, session_id: str, tenant: str) -> FlushResult:
+        with self._lock:
+            sess = self.sessions.get((tenant, session_id))
+            if sess is None:
+                if self.kv is not None:
+                    try:
+                        rec = self.kv.load_session(self.ns, session_id, tenant)
+                        return FlushResult(session_id, rec.n_tokens, rec.kv_tokens, 0, 0, True)
+                    except KVCloudError:
+                        pass
+                raise SessionUnknownError(f"unknown session {session_id!r}")
+            try:
+                return self._flush_locked(sess)
+            except KVCloudError as exc:
+                # the details (endpoints, object keys) go to the log, not to the client
+                log.warning("flush of %s failed: %s", session_id[:12], exc)
+                raise StoreUnavailableError(
+                    "flush failed: the store is unavailable; retry"
+                ) from None
+
+    def session_info(self, session_id: str, tenant: str) -> SessionInfo:
+        with self._lock:
+            sess = self.sessions.get((tenant, session_id))
+            if sess is not None:
+                return SessionInfo(
+                    session_id,
+                    len(sess.tokens),
+                    sess.kv_len,
+                    resident=True,
+                    stored=sess.stored,
+                    extra={"dirty": sess.dirty},
+                )
+            if self.kv is not None:
+                try:
+                    rec = self.kv.load_session(self.ns, session_id, tenant)
+                    return SessionInfo(
+                        session_id,
+                        rec.n_tokens,
+                        rec.kv_tokens,
+                        resident=False,
+                        stored=True,
+                        updated=rec.updated,
+                    )
+                except KVCloudError:
+                    pass
+            raise SessionUnknownError(f"unknown session {session_id!r}")
+
+    def flush_all(self, timeout: float = 30.0) -> list[FlushResult]:
+        """Shutdown: flush every session, then push idle cached pages (they are about to be
+        evicted by the process exiting — write-back says snapshot them) within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        results = []
+        with self._lock:
+            for sess in list(self.sessions.values()):
+                if sess.dirty and self.kv is not None:
+                    try:
+                        results.append(self._flush_locked(sess))
+                    except KVCloudError as exc:
+                        log.warning("flush of %s failed: %s", sess.session_id[:12], exc)
+            if self.uploader is not None and self.options.write_policy == "write-back":
+                for cp in self.prefix.pages():
+                    if time.monotonic() > deadline:
+                        break
+                    if not cp.stored:
+                        self._offer_upload(cp)
+        if self.uploader is not None:
+            self.uploader.drain(max(0.1, deadline - time.monotonic()))
+        return results
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _messages_from(meta: dict[str, Any]) -> list[dict[str, str]] | None:
+    """A stored session's conversation; None for a completions session (or an unreadable
+    one, whose chat turns are then refused rather than rendered from a guess)."""
+    raw = meta.get("messages")
+    if not isinstance(raw, list):
+        return None
+    out = []
+    for m in raw:
+        if not (
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+        ):
+            return None
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
