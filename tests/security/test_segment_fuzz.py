@@ -35,8 +35,13 @@ def _fuzz(tmp_path: Path, *flags: str, code: str | None = None) -> subprocess.Co
         *flags,
     ]
     script = code or "import sys, tests.security.fuzz_segment as f; f.main(sys.argv[1:])"
+    # libFuzzer's RSS limit reads the peak RSS (getrusage), which Linux carries across execve:
+    # a harness started straight from this pytest process would start at pytest's own peak
+    # (gigabytes once a real model has been loaded) and report out-of-memory on its first
+    # check. A small launcher process in between gives the harness a fresh peak of its own.
+    launcher = "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"
     return subprocess.run(
-        [sys.executable, "-c", script, *argv],
+        [sys.executable, "-c", launcher, sys.executable, "-c", script, *argv],
         cwd=REPO,
         capture_output=True,
         text=True,
