@@ -28,7 +28,7 @@ from .exporter import DEFAULT_PORT, StatsExporter, parse_listen, prometheus_text
 from .indexes.base import Index
 from .models import KV_SHAPES
 from .namespace import DTYPES
-from .segment import content_digest, digest_from_key, read_header
+from .segment import digest_from_key, digest_matches, read_header
 from .stores.base import ObjectStore
 
 _FP_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -262,7 +262,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def _describe_object(store: ObjectStore, key: str) -> dict[str, Any]:
     data = store.get(key)
     header, offset = read_header(data)
-    digest_ok = content_digest(data) == digest_from_key(key)
+    digest_ok = digest_matches(data, digest_from_key(key))
     return {
         "key": key,
         "size": len(data),

@@ -298,6 +298,7 @@ class KVCloud(Closing):
         if not chunks:
             return result
         codec = codec or self.config.codec
+        version = self.config.segment_version
         key = self._write_key(tenant)
         existing = self.index.lookup(ns.id, _hex([fp for fp, _, _ in chunks]))
         todo: list[int] = []
@@ -310,7 +311,7 @@ class KVCloud(Closing):
 
         def store_one(i: int) -> tuple[int, str, bool, IndexEntry]:
             fp, parent, kv = chunks[i]
-            seg = encode_segment(ns, fp, parent, kv, codec=codec, key=key)
+            seg = encode_segment(ns, fp, parent, kv, codec=codec, key=key, version=version)
             okey = seg.key()
             created = self._put_or_revive(okey, seg.data)
             return i, okey, created, IndexEntry(okey, seg.header.n_tokens, len(seg.data), 0.0)
@@ -348,7 +349,8 @@ class KVCloud(Closing):
             # deletes within one round trip of its last check): make sure it is still there
             if not created and self.store.head(okey) is None:
                 fp, parent, kv = chunks[i]
-                self.store.put(okey, encode_segment(ns, fp, parent, kv, codec=codec, key=key).data)
+                seg = encode_segment(ns, fp, parent, kv, codec=codec, key=key, version=version)
+                self.store.put(okey, seg.data)
         for i, key, created, entry in stored:
             result.keys[i] = key
             result.pushed += 1
@@ -600,7 +602,13 @@ class KVCloud(Closing):
         """Store a partial chunk (no index entry: only session records point at it)."""
         tfp = tail_fingerprint(ns, parent, tail_tokens, self.tenant_key(tenant))
         seg = encode_segment(
-            ns, tfp, parent, tail_kv, codec=self.config.codec, key=self._write_key(tenant)
+            ns,
+            tfp,
+            parent,
+            tail_kv,
+            codec=self.config.codec,
+            key=self._write_key(tenant),
+            version=self.config.segment_version,
         )
         key = seg.key()
         if self._put_or_revive(key, seg.data):

@@ -86,6 +86,11 @@ class KVCloudConfig:
     codec: str = field(default="raw", metadata={"env": "KVCLOUD_CODEC"})
     """Codec for new segments: raw, zstd or lz4 (all lossless)."""
 
+    segment_version: int = field(default=2, metadata={"env": "KVCLOUD_SEGMENT_VERSION"})
+    """Object format written: 2 (BLAKE3-addressed, the default) or 1 (SHA-256, what earlier
+    releases read). Both are always read. Set 1 while a fleet still runs earlier releases,
+    then 2 once every worker reads it (docs/OPERATIONS.md, "Upgrading the object format")."""
+
     ttl_seconds: int = field(default=7 * 24 * 3600, metadata={"env": "KVCLOUD_TTL_SECONDS"})
     """Index entry lifetime after its last hit (sliding)."""
 
@@ -121,6 +126,10 @@ class KVCloudConfig:
             raise ConfigError("KVCLOUD_SECRET must not be empty")
         if self.codec not in ("raw", "zstd", "lz4"):
             raise ConfigError(f"KVCLOUD_CODEC: unknown codec {self.codec!r}")
+        if self.segment_version not in (1, 2):
+            raise ConfigError(
+                f"KVCLOUD_SEGMENT_VERSION: {self.segment_version} is not 1 or 2 (object formats)"
+            )
         if self.ttl_seconds <= 0:
             raise ConfigError("KVCLOUD_TTL_SECONDS must be positive")
         if self.max_connections <= 0:

@@ -30,9 +30,9 @@ from .indexes.base import EntryRecord, Index
 from .segment import (
     MAX_UNBOUND_RAW_LEN,
     SegmentHeader,
-    content_digest,
     decode_segment,
     digest_from_key,
+    digest_matches,
     read_header,
 )
 from .sessions import SessionRecord, unpack_record
@@ -42,10 +42,11 @@ from .stores.base import ObjectInfo, ObjectStore
 #: ``total`` is the phase's size when known (else None). Called from the caller's thread.
 ProgressFn = Callable[[str, int, int | None], None]
 
-# Object keys as the client writes them: <ns id (16 bytes hex)>/<d[:2]>/<d>, d = SHA-256.
+# Object keys as the client writes them: <ns id (16 bytes hex)>/<d[:2]>/<d>, d = BLAKE3-256
+# hex + ".b3" (format v2) or bare SHA-256 hex (format v1, still read).
 # gc deletes nothing else: a bucket prefix shared with other data, or a future key scheme,
 # must never be collected by a gc that does not understand it.
-_KEY_RE = re.compile(r"^(?P<ns>[0-9a-f]{32})/(?P<d2>[0-9a-f]{2})/(?P<d>[0-9a-f]{64})$")
+_KEY_RE = re.compile(r"^(?P<ns>[0-9a-f]{32})/(?P<d2>[0-9a-f]{2})/(?P<d>[0-9a-f]{64}(\.b3)?)$")
 
 _BATCH = 256  # keys per parallel round of HEAD/GET/DELETE
 DEFAULT_GRACE_SECONDS = 3600
@@ -135,7 +136,7 @@ def _deep_check(store: ObjectStore, key: str) -> _ObjectCheck:
         return _ObjectCheck(present=False)
     size = len(data)
     try:
-        if content_digest(data) != digest_from_key(key):
+        if not digest_matches(data, digest_from_key(key)):
             return _ObjectCheck(True, size, error="digest mismatch: bytes differ from the key")
         header, _ = read_header(data)
         encrypted = header.encryption.get("alg", "none") != "none"

@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -323,6 +324,55 @@ def test_gc_grace_keeps_young_then_deletes_only_the_orphan(
             assert same_bits(kv.pull(m), arr[:, :, : m.tokens]) and m.tokens == 32
         # nothing left to collect
         assert gc(kv.store, kv.index, grace_seconds=grace).objects_deleted == 0
+
+
+def test_old_sha256_and_new_blake3_objects_in_one_store(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store an older build wrote (format v1, SHA-256 keys) keeps working after the
+    upgrade: chains mixing v1 and v2 objects pull bit-exact, verify --deep checks both, a
+    damaged v1 object is found, and gc collects orphans of both forms and nothing else."""
+    with env.open() as kv:
+        ns = make_ns()
+        c = ns.chunk_tokens
+        toks = make_tokens(3 * c, seed=21)
+        arr = make_kv(ns, 3 * c, seed=21)
+        # an older build pushed the first two chunks
+        with monkeypatch.context() as mp:
+            mp.setattr("kvcloud.client.encode_segment", partial(encode_segment, version=1))
+            old = kv.push(ns, toks[: 2 * c + 1], arr[:, :, : 2 * c + 1]).keys
+            orphan_v1, size_v1 = put_orphan(kv, ns, seed=61)
+        # this build extends the same prompt: only the new chunk is written, in v2
+        res = kv.push(ns, toks, arr)
+        assert res.pushed == 1 and res.keys[:2] == old
+        new = res.keys[2:]
+        assert all(not k.endswith(".b3") for k in old) and new[0].endswith(".b3")
+        assert {read_header(kv.store.get(k))[0].version for k in old} == {1}
+        assert read_header(kv.store.get(new[0]))[0].version == 2
+        orphan_v2, size_v2 = put_orphan(kv, ns, seed=62)
+        assert orphan_v2.endswith(".b3") and is_object_key(orphan_v2) and is_object_key(orphan_v1)
+
+        m = kv.lookup(ns, toks)
+        assert m.tokens == 3 * c
+        assert same_bits(kv.pull(m), arr)
+        r = verify(kv.store, kv.index, deep=True)
+        assert r.clean and r.entries_ok == 3 and r.orphans == 2
+
+        # bit rot in an old object: found by --deep, and a restore stops before it
+        data = bytearray(kv.store.get(old[1]))
+        data[-3] ^= 0x20
+        replace_object(kv, old[1], bytes(data))
+        r = verify(kv.store, kv.index, deep=True)
+        assert r.corrupt == 1 and r.problems[0].object_key == old[1]
+        bad_size = len(data)
+        res = kv.pull_into(kv.lookup(ns, toks), list(np.zeros((3, *ns.kv_shape(c)), arr.dtype)))
+        assert res.chunks == 1  # and the client dropped the bad object's entry
+
+        grace = env.age_everything(kv)
+        g = gc(kv.store, kv.index, grace_seconds=grace, settle_seconds=0)
+        assert sorted(g.deleted_keys) == sorted([orphan_v1, orphan_v2, old[1]])
+        assert g.bytes_freed == size_v1 + size_v2 + bad_size
+        assert set(objects(kv)) == {old[0], *new}
 
 
 def test_gc_max_bytes_trims_least_recently_used_entries_first(env: Env) -> None:
