@@ -2,7 +2,6 @@
 bounds that come from the model served.
 """
 
-
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field

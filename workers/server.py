@@ -55,7 +55,6 @@ Shutdown (uvicorn's, which SIGTERM triggers): after in-flight requests finish, e
 flushed (``engine.flush_all()``) and the engine closed.
 """
 
-
 import logging
 import time
 import uuid
