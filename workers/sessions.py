@@ -352,6 +352,19 @@ class SessionsMixin:
     def session_info(self, session_id: str, tenant: str) -> SessionInfo:
         with self._lock:
             sess = self.sessions.get((tenant, session_id))
+            if sess is not None and self._shares_sessions:
+                newer = self._newer_record(sess)
+                if newer is not None:  # what this worker holds is not the session any more
+                    self._drop_session(sess)
+                    self._update_gauges()
+                    return SessionInfo(
+                        session_id,
+                        newer.n_tokens,
+                        newer.kv_tokens,
+                        resident=False,
+                        stored=True,
+                        updated=newer.updated,
+                    )
             if sess is not None:
                 return SessionInfo(
                     session_id,

@@ -89,8 +89,11 @@ def test_turns_alternating_engines_continue_each_others_turns(
     assert checks(a, "stale") == 1 and checks(b, "stale") == 1  # turn 3 on A, turn 4 on B
     assert writes(a, "ok") == 2 and writes(b, "ok") == 2
     # the last writer's copy is current: another turn on B reads, compares, keeps it
-    b.complete(req(prompt(5, 9), sid))
+    r = b.complete(req(prompt(5, 9), sid))
     assert checks(b, "current") == 1
+    # A's copy (turn 3) is not what it reports: B's turns are
+    info = a.session_info(sid, T)
+    assert info.tokens == r.session_tokens and not info.resident
 
 
 def test_stale_resident_copy_is_used_without_the_check(tmp_path: Path) -> None:
