@@ -142,6 +142,11 @@ def test_session_turns_alternating_workers_equal_transformers(
         assert got["prompt_tokens"] == len(ids), f"{where}: the whole conversation's input"
         assert got["ids"] == gen, where
         assert got["text"] == tok.decode(gen, skip_special_tokens=True), where
+        if i >= 2:
+            # the session still saves work: this worker's pages from its previous turn
+            # serve the unchanged start of the conversation
+            stats = got["stats"]
+            assert stats["tokens_local"] + stats["tokens_remote"] > 0, (where, stats)
     client.close()
 
 
