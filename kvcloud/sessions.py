@@ -3,6 +3,7 @@ its KV). One module owns the format so the client, verify and gc read it the sam
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +13,16 @@ import numpy as np
 from .errors import CorruptObjectError
 
 SESSION_RECORD_VERSION = 1
+
+# The meta key of a record's revision. It lives in ``meta`` rather than a new field so the
+# format stays version 1 both ways: older readers ignore it, and records written before it
+# existed still load (their ``revision`` is None).
+REVISION_KEY = "rev"
+
+
+def new_revision() -> str:
+    """A fresh revision id for one write of a session record."""
+    return secrets.token_hex(12)
 
 
 @dataclass(frozen=True)
@@ -30,6 +41,15 @@ class SessionRecord:
     @property
     def n_tokens(self) -> int:
         return len(self.tokens)
+
+    @property
+    def revision(self) -> str | None:
+        """Which write of the session this record is: a random id per write (not a counter
+        and not a time), so a worker that remembers the revision it last wrote or read can
+        tell whether anyone wrote since by comparing for equality; clocks of different
+        machines never enter. None for a record written without one."""
+        rev = self.meta.get(REVISION_KEY)
+        return rev if isinstance(rev, str) else None
 
     @property
     def object_keys(self) -> list[str]:

@@ -8,6 +8,7 @@ Nothing is downloaded: weights are seeded random, the tokenizer is trained in-pr
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -198,3 +199,36 @@ def to_v4_config(path: Path) -> None:
     cfg["rope_scaling"] = None if rope_type == "default" else {"rope_type": rope_type, **rp}
     cfg.pop("layer_types", None)
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def chat_reference(
+    path: Path, user_turns: Sequence[str], n: int
+) -> list[tuple[list[int], list[int]]]:
+    """transformers alone on a whole conversation, turn by turn: the chat template renders
+    every message so far, ``generate()`` answers greedily with ``n`` new tokens, and the reply
+    (special tokens skipped) joins the conversation. Returns (input ids, generated ids) per
+    turn: what a stateless client resending the conversation is owed, and a session too."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    conversation: list[dict[str, str]] = []
+    turns = []
+    for text in user_turns:
+        conversation.append({"role": "user", "content": text})
+        rendered = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        ids = tok(rendered, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=n,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id or 0,
+            )
+        gen = out[0, len(ids) :].tolist()
+        turns.append((ids, gen))
+        reply = tok.decode(gen, skip_special_tokens=True)
+        conversation.append({"role": "assistant", "content": reply})
+    return turns

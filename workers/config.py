@@ -72,6 +72,14 @@ class WorkerOptions:
     max_sessions: int = field(default=256, metadata={"env": "KVCLOUD_MAX_SESSIONS"})
     """Sessions held in memory; the least recently used one beyond it is flushed and let go."""
 
+    session_write_through: bool = field(
+        default=True, metadata={"env": "KVCLOUD_SESSION_WRITE_THROUGH"}
+    )
+    """Write a session's record (history, conversation) to the index at the end of every turn,
+    before the answer completes, and check it at the start of every turn, so consecutive
+    turns may go to any worker behind a load balancer. Off: records are written only on
+    flush, SIGTERM or trimming (one worker per session; no index call per turn)."""
+
     remote_timeout: float = field(default=2.0, metadata={"env": "KVCLOUD_REMOTE_TIMEOUT"})
     """Seconds a store or index call may take on the request path before it counts as a miss."""
 

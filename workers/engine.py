@@ -225,8 +225,14 @@ class Engine(SessionsMixin, PagesMixin):
         if req.session_id is not None:
             key = (tenant, req.session_id)
             sess = self.sessions.get(key)
+            newer = None
+            if sess is not None and self._shares_sessions:
+                newer = self._newer_record(sess)
+                if newer is not None:
+                    self._drop_session(sess)
+                    sess = None
             if sess is None:
-                sess, local, remote = self._restore_session(req.session_id, tenant)
+                sess, local, remote = self._restore_session(req.session_id, tenant, newer)
                 self.sessions[key] = sess
                 self._trim_sessions()
             self.sessions.move_to_end(key)
@@ -287,6 +293,9 @@ class Engine(SessionsMixin, PagesMixin):
                 sess.busy = False
                 sess.slots, sess.kv_len = [], 0
             raise
+        if sess is not None:
+            # before the answer leaves: the next turn may go to any worker
+            self._write_through(sess)
         return result
 
     def _run(

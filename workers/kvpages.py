@@ -99,6 +99,7 @@ class PagesMixin:
             if (
                 self.uploader is not None
                 and not cp.stored
+                and not cp.uploading
                 and self.options.write_policy == "write-back"
             ):
                 # the seed's policy: snapshot the segment as it leaves memory
@@ -111,7 +112,7 @@ class PagesMixin:
         for key, sess in self.sessions.items():
             if sess.slots and not sess.busy:
                 if self.kv is not None and sess.dirty:
-                    self._flush_locked(sess)
+                    self._flush_if_current(sess)
                 self._release_slots(sess.slots)
                 sess.slots, sess.kv_len = [], 0
                 self.sessions.move_to_end(key)
@@ -146,14 +147,19 @@ class PagesMixin:
             self._offer_upload(cp)
 
     def _offer_upload(self, cp: CachedPage) -> None:
-        def done(ok: bool, cp: CachedPage = cp) -> None:
-            if ok:
-                cp.stored = True
+        def done(key: str | None, cp: CachedPage = cp) -> None:
+            cp.uploading = False
+            if key is not None:
+                cp.stored, cp.key = True, key
 
         assert self.uploader is not None
-        self.uploader.offer(
+        # set before offering: the uploader's thread may finish (and clear it) before offer
+        # returns
+        cp.uploading = True
+        if not self.uploader.offer(
             UploadItem(cp.fp, cp.parent, self._page_array(cp.page), done, tenant=cp.tenant)
-        )
+        ):
+            cp.uploading = False
 
     def _make_private(self, slots: list[Slot], index: int) -> None:
         """Copy-on-write before writing into a shared page."""
@@ -235,7 +241,14 @@ class PagesMixin:
             elif ref.fp in self.prefix:
                 acq.slots.append(Slot(page, None))
             else:
-                self.prefix.insert(ref.fp, ref.parent, page, stored=True, tenant=sub.tenant)
+                self.prefix.insert(
+                    ref.fp,
+                    ref.parent,
+                    page,
+                    stored=True,
+                    tenant=sub.tenant,
+                    key=ref.entry.object_key,
+                )
                 acq.slots.append(Slot(page, ref.fp))
         acq.remote += ok * self.c
         acq.cached += ok * self.c

@@ -58,6 +58,21 @@ class Metrics:
         self.flushes = Counter(
             "kvcloud_worker_session_flushes", "Session flushes", ["result"], registry=r
         )
+        # write-through (workers.sessions): a failed write leaves the turn on this worker only
+        self.session_writes = Counter(
+            "kvcloud_worker_session_writes",
+            "Session records written at the end of a turn (write-through)",
+            ["result"],
+            registry=r,
+        )
+        # the check at the start of a turn on a resident session: current, stale (another
+        # worker wrote since; restored from the record), missing, unavailable (resident used)
+        self.session_checks = Counter(
+            "kvcloud_worker_session_checks",
+            "Resident sessions checked against the stored record",
+            ["result"],
+            registry=r,
+        )
         self.decisions = Counter(
             "kvcloud_worker_cost_decisions",
             "Remote hits: pulled in full, in part, or recomputed",

@@ -88,6 +88,8 @@ class CachedPage:
     refs: int = 0
     stored: bool = False  # known to be in kvcloud: never pushed again
     tenant: str | None = None  # whose fingerprints: decides its encryption when pushed
+    key: str | None = None  # its object key, when known stored (a session record may name it)
+    uploading: bool = False  # queued for the uploader: not offered twice
 
 
 class PrefixCache:
@@ -128,12 +130,20 @@ class PrefixCache:
             self._lru[fp] = None  # most recently used end
 
     def insert(
-        self, fp: bytes, parent: bytes, page: int, stored: bool = False, tenant: str | None = None
+        self,
+        fp: bytes,
+        parent: bytes,
+        page: int,
+        stored: bool = False,
+        tenant: str | None = None,
+        key: str | None = None,
     ) -> CachedPage:
         """Register a full page, held once by the caller."""
         if fp in self._by_fp:
             raise KeyError("fingerprint already cached")
-        cp = CachedPage(page=page, fp=fp, parent=parent, refs=1, stored=stored, tenant=tenant)
+        cp = CachedPage(
+            page=page, fp=fp, parent=parent, refs=1, stored=stored, tenant=tenant, key=key
+        )
         self._by_fp[fp] = cp
         return cp
 

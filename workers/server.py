@@ -30,7 +30,9 @@ it, exactly what a stateless request with the whole conversation gets. The sessi
 reused up to the longest common token prefix with that input; the rest is computed. A
 ``/v1/completions`` request with a session appends its prompt to the session's token history
 (plain concatenation) and the completion after it. Without a session, ``messages`` is the whole
-conversation, as in OpenAI's API.
+conversation, as in OpenAI's API. With ``session_write_through`` (the default) a session turn's
+record is in the index before its response completes (the JSON body, or ``data: [DONE]``), so
+the next turn may go to any worker (``workers.sessions``).
 
 Responses add a ``kvcloud`` object: ``ttft_ms``, ``total_ms``, ``tokens_local`` (prompt tokens
 whose KV was in this worker's pages), ``tokens_remote`` (pulled from kvcloud),

@@ -27,7 +27,7 @@ class UploadItem:
     fp: bytes
     parent: bytes
     kv: np.ndarray  # a host copy the uploader owns
-    on_done: Callable[[bool], None] | None = None
+    on_done: Callable[[str | None], None] | None = None  # the object key, None if it failed
     tenant: str | None = None  # whose fps: kvcloud encrypts for tenants that want it
 
 
@@ -91,12 +91,12 @@ class Uploader:
             if item is None:
                 return
             started = time.perf_counter()
-            ok = False
+            key: str | None = None
             try:
                 res = self.kv.push_chunks(
                     self.ns, [(item.fp, item.parent, item.kv)], tenant=item.tenant
                 )
-                ok = True
+                key = res.keys[0]
                 self._on_result("ok", res.bytes_written)
             except (KVCloudError, OSError) as exc:
                 log.warning("upload of %s failed: %s", item.fp.hex()[:16], exc)
@@ -105,7 +105,7 @@ class Uploader:
                 log.exception("upload of %s crashed", item.fp.hex()[:16])
                 self._on_result("failed", 0)
             if item.on_done is not None:
-                item.on_done(ok)
+                item.on_done(key)
             with self._lock:
                 self._inflight -= 1
                 if self._inflight == 0:

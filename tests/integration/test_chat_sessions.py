@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from tests.hf_models import build_checkpoint
+from tests.hf_models import build_checkpoint, chat_reference
 from workers.config import WorkerOptions
 from workers.engine import Engine
 from workers.errors import BadRequestError
@@ -56,29 +55,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def reference_conversation(path: Path, n: int) -> list[tuple[list[int], list[int]]]:
     """transformers on the whole conversation, turn by turn: (input ids, generated ids)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    conversation: list[dict[str, str]] = []
-    turns = []
-    for text in USER_TURNS:
-        conversation.append({"role": "user", "content": text})
-        rendered = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-        ids = tok(rendered, add_special_tokens=False)["input_ids"]
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=n,
-                do_sample=False,
-                pad_token_id=tok.pad_token_id or 0,
-            )
-        gen = out[0, len(ids) :].tolist()
-        turns.append((ids, gen))
-        reply = tok.decode(gen, skip_special_tokens=True)
-        conversation.append({"role": "assistant", "content": reply})
-    return turns
+    return chat_reference(path, USER_TURNS, n)
 
 
 def engine(path: Path, tmp: Path, **kw: Any) -> Engine:

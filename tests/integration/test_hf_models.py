@@ -162,7 +162,7 @@ def test_session_moves_between_workers_bit_identical(
     sid = a.create_session("default")
     got = talk(a, sid, turns[:2])
     flushed = a.flush_session(sid, "default")
-    assert flushed.stored and flushed.chunks_pushed > 0
+    assert flushed.stored and flushed.kv_tokens > 0
     a.close()
     b = _engine(path, tmp_path, kv_dtype="float16")
     r = b.complete(_req(turns[2], 9, session_id=sid))

@@ -146,7 +146,9 @@ def test_session_moves_between_engines_bit_identical(tmp_path: Path) -> None:
     sid = a.create_session("default")
     got = _conversation(a, sid, turns[:2])
     fr = a.flush_session(sid, "default")
-    assert fr.stored and fr.kv_tokens == fr.tokens - 1 and fr.chunks_pushed == fr.kv_tokens // C
+    # the session's full pages went to the uploader at the end of each turn (write-through):
+    # the flush pushes whichever of them it has not stored yet
+    assert fr.stored and fr.kv_tokens == fr.tokens - 1 and fr.chunks_pushed <= fr.kv_tokens // C
     a.close()
     b = Engine(opts(tmp_path))
     r = b.complete(req(turns[2], 9, session_id=sid))

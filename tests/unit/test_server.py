@@ -680,3 +680,50 @@ def test_a_stream_whose_reader_leaves_ends_the_turn_consistently(engine: Engine)
     engine.complete(CompletionRequest(prompt, max_tokens=5, session_id=ref, stop_at_eos=False))
     want = engine.complete(CompletionRequest(list(b" More."), max_tokens=6, session_id=ref))
     assert nxt.tokens == want.tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_session_turn_is_in_the_index_before_its_answer_ends(
+    tmp_path: Path, stream: bool
+) -> None:
+    """Write-through: when the client has the whole answer (the JSON body, or the stream's
+    ``[DONE]``), the session's record already holds the turn, so a load balancer may send
+    the next turn to any worker."""
+    store, index = f"file://{tmp_path / 'objects'}", f"sqlite://{tmp_path / 'index.db'}"
+    eng = Engine(tiny_options(store=store, index=index))
+    try:
+        c = TestClient(create_app(eng))
+        sid = c.post("/v1/sessions").json()["id"]
+        body = {
+            "messages": [{"role": "user", "content": "Hello there."}],
+            "max_tokens": 5,
+            "ignore_eos": True,
+            "session_id": sid,
+            "stream": stream,
+        }
+        kv = eng.kv
+        assert kv is not None
+        if not stream:
+            r = c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            want = r.json()["kvcloud"]["session_tokens"]
+        else:
+            body["stream_options"] = {"include_usage": True}
+            want = None
+            with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {") and '"usage":{' in line:
+                        want = json.loads(line[6:])["kvcloud"]["session_tokens"]
+                    if line == "data: [DONE]":
+                        # read while the response is still open: written before [DONE]
+                        rec = kv.load_session(eng.ns, sid, eng.options.tenant)
+                        assert want is not None and rec.n_tokens == want
+                        break
+                else:
+                    pytest.fail("no [DONE]")
+        rec = kv.load_session(eng.ns, sid, eng.options.tenant)
+        assert rec.n_tokens == want
+        messages = rec.meta["messages"]
+        assert [m["role"] for m in messages] == ["user", "assistant"]
+    finally:
+        eng.close()
