@@ -10,6 +10,13 @@ that request's wall time. Three ways of getting the prefix to the receiver:
 - ExampleConnector: vLLM's own shared-storage connector (one safetensors file per layer per
   prompt in a shared folder), its reference baseline.
 
+Each kvcloud setup runs side by side with ExampleConnector (four servers: a pusher and a
+receiver each; six do not fit in 24 GiB) and they take turns on the same prompts, in
+alternating order: each run sends one fresh prompt through both, so a slow moment of this
+shared machine lands on both alike instead of on whichever phase it happened to hit. The
+paired ratio (ExampleConnector's TTFT ÷ kvcloud's, same prompt, same minute) is reported
+beside the medians. Recompute runs first, on its own server.
+
 Also: the bytes each stores for a chat whose prompt grows turn by turn. Medians of ``--runs``
 prompts per length; everything in one run, on one machine. Servers run fp32 eager (see
 scripts/vllm_fleet.py). Writes JSON (``--out``) and prints a table.
@@ -40,7 +47,8 @@ from scripts.vllm_fleet import (
     wait_stored,
 )
 
-PHASES = ("embedded", "servers", "example")
+PHASES = ("recompute", "compare")
+METHODS = ("kvcloud file+sqlite", "kvcloud moto+redis", "ExampleConnector")
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -102,44 +110,79 @@ class Bench:
             self.args.out.write_text(json.dumps(self.results, indent=2) + "\n")
 
     def warm(self, servers: tuple[VLLMServer, ...], salt: int, lengths: list[int]) -> None:
-        """Every server runs every length once before timing (kernels, allocator)."""
+        """Every receiver runs every length once before timing (kernels, allocator); a
+        pusher's time is not measured, and its first prompts warm it."""
         for n in lengths:
             for s in servers:
                 s.complete(prompt(n, salt + n), max_tokens=1)
 
-    def measure(
+    def one(
         self,
-        label: str,
         pusher: VLLMServer | None,
         receiver: VLLMServer,
-        env: dict[str, str] | None = None,
-        lengths: list[int] | None = None,
+        p: list[int],
+        env: dict[str, str] | None,
+    ) -> tuple[float, int]:
+        if pusher is not None:
+            pusher.complete(p, max_tokens=1)
+            if env is not None:
+                wait_stored(env, p)  # kvcloud's uploader is asynchronous
+        # a short unrelated request first: an engine idle for a few seconds (while the
+        # pusher worked) answers its next request 0.5–0.8 s late on this machine, whatever
+        # that request is; a serving fleet is not idle
+        receiver.complete(prompt(16, self.seed + 500_000), max_tokens=1)
+        return ttft(receiver, p)
+
+    def record(self, label: str, n: int, times: list[float], cached: list[int]) -> None:
+        self.results["ttft"].setdefault(label, {})[str(n)] = {
+            "ttft_s": statistics.median(times),
+            "all_s": times,
+            "cached": cached,
+        }
+        print(
+            f"{label:>22} {n:>6} tokens: TTFT {statistics.median(times) * 1000:8.0f} ms "
+            f"(runs {', '.join(f'{t * 1000:.0f}' for t in times)}), cached {cached}",
+            flush=True,
+        )
+
+    def measure(
+        self,
+        methods: dict[str, tuple[VLLMServer | None, VLLMServer, dict[str, str] | None]],
     ) -> None:
-        rows: dict[str, Any] = {}
-        for n in lengths or self.lengths:
-            times, cached = [], []
-            for _ in range(self.args.runs):
+        """Each run: one fresh prompt through every method, in a rotating order."""
+        labels = list(methods)
+        for n in self.lengths:
+            times: dict[str, list[float]] = {k: [] for k in labels}
+            cached: dict[str, list[int]] = {k: [] for k in labels}
+            for run in range(self.args.runs):
                 self.seed += 1
                 p = prompt(n, self.seed)
-                if pusher is not None:
-                    pusher.complete(p, max_tokens=1)
-                    if env is not None:
-                        wait_stored(env, p)  # kvcloud's uploader is asynchronous
-                # a short unrelated request first: an engine idle for a few seconds (while
-                # the pusher worked) answers its next request 0.5–0.8 s late on this machine,
-                # whatever that request is; a serving fleet is not idle
-                receiver.complete(prompt(16, self.seed + 500_000), max_tokens=1)
-                t, c = ttft(receiver, p)
-                times.append(t)
-                cached.append(c)
-            rows[str(n)] = {"ttft_s": statistics.median(times), "all_s": times, "cached": cached}
-            print(
-                f"{label:>22} {n:>6} tokens: TTFT {statistics.median(times) * 1000:8.0f} ms, "
-                f"cached {cached}",
-                flush=True,
-            )
-        self.results["ttft"][label] = rows
-        self.save()
+                for label in labels[run % len(labels) :] + labels[: run % len(labels)]:
+                    t, c = self.one(*methods[label][:2], p, methods[label][2])
+                    times[label].append(t)
+                    cached[label].append(c)
+            for label in labels:
+                old = self.results["ttft"].get(label, {}).get(str(n))
+                if label == METHODS[2] and old is not None and len(labels) > 1:
+                    # ExampleConnector ran beside each kvcloud setup: pool its runs
+                    times[label] = old["all_s"] + times[label]
+                    cached[label] = old["cached"] + cached[label]
+                self.record(label, n, times[label], cached[label])
+            if METHODS[2] in labels and len(labels) == 2:
+                mine = next(k for k in labels if k != METHODS[2])
+                x = times[METHODS[2]][-self.args.runs :]
+                ratios = [a / b for a, b in zip(x, times[mine], strict=True)]
+                self.results.setdefault("paired", {}).setdefault(mine, {})[str(n)] = {
+                    "ratios": ratios,
+                    "median": statistics.median(ratios),
+                }
+                print(
+                    f"{'':>22} {n:>6} tokens: ExampleConnector ÷ {mine}, same prompts: "
+                    f"median {statistics.median(ratios):.2f} "
+                    f"({', '.join(f'{r:.2f}' for r in ratios)})",
+                    flush=True,
+                )
+            self.save()
 
     def chat_bytes(self, label: str, server: VLLMServer, store_dir: Path) -> None:
         before = dir_bytes(store_dir)
@@ -156,75 +199,73 @@ class Bench:
         self.save()
         print(f"{label}: chat of {len(turns)} turns stored {row['bytes'] / 2**20:.1f} MiB")
 
-    def embedded(self) -> None:
-        """recompute (no connector) and kvcloud over file:// + sqlite://"""
-        env = {
+    def recompute(self) -> None:
+        """A vLLM without any connector computes the whole prefill."""
+        ref = VLLMServer("R", self.logs / "R.log")
+        start(ref)
+        try:
+            self.warm((ref,), 10_000, self.lengths)
+            self.measure({"recompute": (None, ref, None)})
+        finally:
+            ref.stop()
+
+    def compare(self) -> None:
+        """kvcloud over file:// + sqlite://, then over moto_server + redis-server, each side
+        by side with vLLM's ExampleConnector.
+
+        ExampleConnector names its files by the whole prompt but saves what one engine step
+        computed: a prompt prefilled in several steps (chunked prefill, 2,048 tokens a step
+        by default here) is saved short, and loading it kills the engine ("shape mismatch:
+        value tensor of shape [2048, 3, 128] cannot be broadcast to indexing result of shape
+        [3968, 3, 128]", seen at 4,096 tokens). Its servers therefore prefill up to 8,192
+        tokens in one step; the receiver computes less than a block either way.
+        """
+        from tests.servers import s3_env, start_moto, start_redis
+
+        file_env = {
             "KVCLOUD_STORE": f"file://{self.work}/kvc/objects",
             "KVCLOUD_INDEX": f"sqlite://{self.work}/kvc/index.db",
             "KVCLOUD_SECRET": "bench",
         }
-        ref = VLLMServer("R", self.logs / "R.log")
-        k1 = VLLMServer("K1", self.logs / "K1.log", transfer=self.cfg, env=env)
-        k2 = VLLMServer("K2", self.logs / "K2.log", transfer=self.cfg, env=env)
-        start(ref, k1, k2)
-        try:
-            self.warm((ref, k1, k2), 10_000, self.lengths)
-            self.measure("recompute", None, ref)
-            self.measure("kvcloud file+sqlite", k1, k2, env)
-            self.chat_bytes("kvcloud", k1, self.work / "kvc" / "objects")
-        finally:
-            for s in (ref, k1, k2):
-                s.stop()
-
-    def servers(self) -> None:
-        """kvcloud over moto_server (S3 over HTTP) + redis-server"""
-        from tests.servers import s3_env, start_moto, start_redis
-
         moto = start_moto(self.work / "moto")
         redis = start_redis(self.work / "redis")
         os.environ.update(s3_env(moto.endpoint))  # this process reads the index too
-        env = {
+        s3 = {
             **s3_env(moto.endpoint),
             "KVCLOUD_STORE": moto.store_url(prefix="bench") + "&create_bucket=true",
             "KVCLOUD_INDEX": redis.url,
             "KVCLOUD_SECRET": "bench",
         }
-        s1 = VLLMServer("S1", self.logs / "S1.log", transfer=self.cfg, env=env)
-        s2 = VLLMServer("S2", self.logs / "S2.log", transfer=self.cfg, env=env)
-        start(s1, s2)
-        try:
-            self.warm((s1, s2), 20_000, self.lengths)
-            self.measure("kvcloud moto+redis", s1, s2, env)
-        finally:
-            for s in (s1, s2):
-                s.stop()
-            redis.stop()
-            moto.stop()
-
-    def example(self) -> None:
-        """vLLM's ExampleConnector through a shared folder.
-
-        It names its files by the whole prompt but saves what one engine step computed: a
-        prompt prefilled in several steps (chunked prefill, 2,048 tokens a step by default
-        here) is saved short, and loading it kills the engine ("shape mismatch: value tensor
-        of shape [2048, 3, 128] cannot be broadcast to indexing result of shape [3968, 3,
-        128]", seen at 4,096 tokens). Its servers therefore prefill up to 8,192 tokens in one
-        step; the receiver computes less than a block either way.
-        """
         shared = self.work / "example"
         shared.mkdir()
         one_step = ["--max-num-batched-tokens", "8192"]
-        cfg = example_transfer_config(shared)
-        x1 = VLLMServer("X1", self.logs / "X1.log", transfer=cfg, args=one_step)
-        x2 = VLLMServer("X2", self.logs / "X2.log", transfer=cfg, args=one_step)
-        start(x1, x2)
+        xcfg = example_transfer_config(shared)
+        x1 = VLLMServer("X1", self.logs / "X1.log", transfer=xcfg, args=one_step)
+        x2 = VLLMServer("X2", self.logs / "X2.log", transfer=xcfg, args=one_step)
+        k1 = VLLMServer("K1", self.logs / "K1.log", transfer=self.cfg, env=file_env)
+        k2 = VLLMServer("K2", self.logs / "K2.log", transfer=self.cfg, env=file_env)
+        s1 = VLLMServer("S1", self.logs / "S1.log", transfer=self.cfg, env=s3)
+        s2 = VLLMServer("S2", self.logs / "S2.log", transfer=self.cfg, env=s3)
+        example = (x1, x2, None)
+        # ExampleConnector's runs are pooled over this phase's two windows only
+        self.results["ttft"].pop(METHODS[2], None)
+        self.results.pop("paired", None)
         try:
-            self.warm((x1, x2), 30_000, self.lengths)
-            self.measure("ExampleConnector", x1, x2)
+            start(x1, x2, k1, k2)
+            self.warm((x2, k2), 20_000, self.lengths)
+            self.measure({METHODS[0]: (k1, k2, file_env), METHODS[2]: example})
+            self.chat_bytes("kvcloud", k1, self.work / "kvc" / "objects")
+            for s in (k1, k2):
+                s.stop()
+            start(s1, s2)
+            self.warm((s2,), 30_000, self.lengths)
+            self.measure({METHODS[1]: (s1, s2, s3), METHODS[2]: example})
             self.chat_bytes("ExampleConnector", x1, shared)
         finally:
-            for s in (x1, x2):
+            for s in (x1, x2, k1, k2, s1, s2):
                 s.stop()
+            redis.stop()
+            moto.stop()
 
     def run(self) -> dict[str, Any]:
         for phase in PHASES:
@@ -240,16 +281,28 @@ def table(res: dict[str, Any]) -> str:
         "ExampleConnector |",
         "|---:|---:|---:|---:|---:|",
     ]
-    rec = res["ttft"]["recompute"]
+    rec = res["ttft"].get("recompute", {})
     for n in res["lengths"]:
-        cells = [f"{rec[str(n)]['ttft_s'] * 1000:,.0f} ms"]
-        for label in ("kvcloud file+sqlite", "kvcloud moto+redis", "ExampleConnector"):
+        base = rec.get(str(n), {}).get("ttft_s")
+        cells = [f"{base * 1000:,.0f} ms" if base else "—"]
+        for label in METHODS:
             row = res["ttft"].get(label, {}).get(str(n))
             if row is None:
                 cells.append("—")
                 continue
-            ratio = rec[str(n)]["ttft_s"] / row["ttft_s"]
-            cells.append(f"{row['ttft_s'] * 1000:,.0f} ms ({ratio:.1f}×)")
+            ratio = f" ({base / row['ttft_s']:.1f}×)" if base else ""
+            cells.append(f"{row['ttft_s'] * 1000:,.0f} ms{ratio}")
+        lines.append(f"| {n:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def paired_table(res: dict[str, Any]) -> str:
+    paired = res.get("paired", {})
+    lines = ["| prompt tokens | " + " | ".join(paired) + " |", "|---:|" + "---:|" * len(paired)]
+    for n in res["lengths"]:
+        cells = [
+            f"{paired[m][str(n)]['median']:.2f}×" if str(n) in paired[m] else "—" for m in paired
+        ]
         lines.append(f"| {n:,} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -260,6 +313,11 @@ def report(res: dict[str, Any]) -> str:
         "recompute ÷ it:",
         "",
         table(res),
+        "",
+        "ExampleConnector's TTFT ÷ kvcloud's on the same prompts, in the same minutes (median "
+        "of the paired runs; above 1 means kvcloud restored faster):",
+        "",
+        paired_table(res),
         "",
         "| stored by a chat growing turn by turn | turns | last prompt | bytes |",
         "|---|---:|---:|---:|",
@@ -275,13 +333,14 @@ def report(res: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="1024,2048,4096,8000")
-    ap.add_argument("--runs", type=int, default=3)
+    # even, so that in each pair each method goes first equally often
+    ap.add_argument("--runs", type=int, default=4)
     ap.add_argument("--chat-turns", type=int, default=6)
     ap.add_argument(
         "--phases",
         default=",".join(PHASES),
-        help="embedded (recompute + kvcloud file), servers (kvcloud moto+redis), example; "
-        "a subset adds to the results already in --out",
+        help="recompute (no connector), compare (kvcloud file+sqlite, kvcloud moto+redis and "
+        "ExampleConnector side by side); a subset adds to the results already in --out",
     )
     ap.add_argument("--out", type=Path, help="JSON results; a .md of the tables beside it")
     ap.add_argument("--from-json", type=Path, help="only print the tables of a saved run")
