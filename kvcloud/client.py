@@ -297,7 +297,8 @@ class KVCloud(Closing):
         result = PushResult(chunks=len(chunks), keys=[""] * len(chunks))
         if not chunks:
             return result
-        codec = codec or self.config.codec
+        # a lossy namespace has exactly one codec; KVCLOUD_CODEC picks among lossless ones
+        codec = ns.quant or codec or self.config.codec
         version = self.config.segment_version
         key = self._write_key(tenant)
         existing = self.index.lookup(ns.id, _hex([fp for fp, _, _ in chunks]))
@@ -606,7 +607,7 @@ class KVCloud(Closing):
             tfp,
             parent,
             tail_kv,
-            codec=self.config.codec,
+            codec=ns.quant or self.config.codec,
             key=self._write_key(tenant),
             version=self.config.segment_version,
         )

@@ -36,6 +36,12 @@ class DType:
     storage: str  # numpy dtype used to hold the bits (bfloat16/fp8 travel as raw integers)
 
 
+#: KV codecs that change the bytes a restore gives back (lossy): each is part of the namespace,
+#: so its segments are never served to a worker that expects exact KV. "" is lossless.
+QUANTS = ("", "int8")
+#: cache dtypes the lossy codecs can quantize and decode into
+QUANTIZABLE_DTYPES = ("float32", "float16", "bfloat16")
+
 DTYPES: dict[str, DType] = {
     d.name: d
     for d in (
@@ -63,7 +69,9 @@ class Namespace:
 
     ``revision`` should pin the weights (a commit, a seed, or a digest of the weight files);
     ``extra`` carries anything else that changes the KV bytes (RoPE scaling, a quantization
-    scheme) as a free-form string.
+    scheme) as a free-form string. ``quant`` names a lossy KV codec (``int8``: 1 byte per
+    element plus a scale per token and head) that every segment of the namespace uses; it is
+    part of the digest, so lossy and exact KV never mix. Empty means lossless.
     """
 
     model: str
@@ -75,6 +83,7 @@ class Namespace:
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     format_version: int = FORMAT_VERSION
     extra: str = ""
+    quant: str = ""
     _digest: bytes = field(default=b"", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -90,20 +99,29 @@ class Namespace:
                 f"{FORMAT_VERSION})"
             )
         dtype_info(self.dtype)
-        canonical = msgpack.packb(
-            [
-                "kvcloud-namespace",
-                self.format_version,
-                self.model,
-                self.revision,
-                self.num_layers,
-                self.num_kv_heads,
-                self.head_dim,
-                self.dtype,
-                self.chunk_tokens,
-                self.extra,
-            ]
-        )
+        if self.quant not in QUANTS:
+            raise ConfigError(f"unknown KV codec {self.quant!r}; known: int8 (or none)")
+        if self.quant and self.dtype not in QUANTIZABLE_DTYPES:
+            raise ConfigError(
+                f"the {self.quant} KV codec needs a float cache dtype "
+                f"({', '.join(QUANTIZABLE_DTYPES)}), not {self.dtype}"
+            )
+        fields: list[Any] = [
+            "kvcloud-namespace",
+            self.format_version,
+            self.model,
+            self.revision,
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.chunk_tokens,
+            self.extra,
+        ]
+        if self.quant:
+            # appended only when set, so every lossless namespace keeps the id it always had
+            fields.append(self.quant)
+        canonical = msgpack.packb(fields)
         digest = hashlib.blake2b(canonical, digest_size=FP_BYTES, person=b"kvc-ns-v1").digest()
         object.__setattr__(self, "_digest", digest)
 

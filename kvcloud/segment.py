@@ -55,14 +55,18 @@ from .errors import (
     TruncatedObjectError,
     UnsupportedVersionError,
 )
-from .namespace import DTYPES, FP_BYTES, Namespace
+from .namespace import DTYPES, FP_BYTES, QUANTIZABLE_DTYPES, Namespace
+from .quant import dequantize_int8_into, int8_payload_len, quantize_int8
 
 MAGIC = b"KVC1"
 #: the version new objects are written in
 SEGMENT_VERSION = 2
 #: every version this build reads, and the digest that addresses objects of that version
 DIGEST_ALGS = {1: "sha256", 2: "blake3"}
-CODECS = ("raw", "zstd", "lz4")
+CODECS = ("raw", "zstd", "lz4", "int8")
+#: codecs whose decoded KV differs from what was encoded; each belongs to namespaces that
+#: name it (Namespace.quant) and to no other
+LOSSY_CODECS = ("int8",)
 DIGEST_HEX_LEN = 64
 _B3_SUFFIX = ".b3"
 _DIGEST_RE = re.compile(r"^[0-9a-f]{64}(\.b3)?$")
@@ -278,6 +282,11 @@ def encode_segment(
     alg = DIGEST_ALGS[version]
     if codec not in CODECS:
         raise ConfigError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
+    if (codec in LOSSY_CODECS or ns.quant) and codec != ns.quant:
+        raise ConfigError(
+            f"codec {codec!r} in namespace with KV codec {ns.quant or 'lossless'!r}: a lossy "
+            "codec is used exactly in the namespaces that name it"
+        )
     if len(fp) != FP_BYTES or len(parent) != FP_BYTES:
         raise LayoutError("fingerprints must be 32 bytes")
     kv = ns.check_array(kv)
@@ -312,7 +321,9 @@ def encode_segment(
         data: bytes | bytearray = buf  # stores accept any buffer; no extra copy
     else:
         contiguous = np.ascontiguousarray(kv)
-        if codec == "zstd":
+        if codec == "int8":
+            payload = quantize_int8(contiguous, ns.dtype)
+        elif codec == "zstd":
             payload = zstandard.ZstdCompressor(
                 level=3 if level is None else level, write_content_size=True
             ).compress(memoryview(contiguous).cast("B"))
@@ -387,6 +398,11 @@ def _parse_header(h: Any) -> SegmentHeader:
         raise MalformedHeaderError("declared lengths out of range")
     if codec == "raw" and payload_len != raw_len + overhead:
         raise MalformedHeaderError("raw payload length must equal raw_len (plus the tag)")
+    if codec == "int8":
+        if dtype not in QUANTIZABLE_DTYPES:
+            raise MalformedHeaderError(f"int8 payload for a {dtype} cache")
+        if payload_len != int8_payload_len(layers, n_tokens, heads, dim) + overhead:
+            raise MalformedHeaderError("int8 payload length disagrees with the shape")
     if payload_len < overhead:
         raise MalformedHeaderError("encrypted payload is shorter than its tag")
     return SegmentHeader(
@@ -447,6 +463,13 @@ def check_header(
             raise HeaderMismatchError("object layout or dtype differs from the namespace")
         if header.n_tokens > ns.chunk_tokens:
             raise HeaderMismatchError("object holds more tokens than a chunk")
+        lossy = header.codec if header.codec in LOSSY_CODECS else ""
+        if lossy != ns.quant:
+            # the namespace id already differs; this holds even for a forged header
+            raise HeaderMismatchError(
+                f"object KV codec {lossy or 'lossless'} differs from the namespace's "
+                f"{ns.quant or 'lossless'}"
+            )
     if fp is not None and header.fp != fp:
         raise HeaderMismatchError("object fingerprint differs from the one asked for")
     if parent is not None and header.parent != parent:
@@ -537,17 +560,25 @@ def decode_segment(
     k = _check_encryption(header, key, require_encryption)
     if k is not None:
         payload = memoryview(decrypt(k, header.nonce, header.aad(), payload))
-    raw = _decompress(header, payload)
     storage = np.dtype(DTYPES[header.dtype].storage)
-    src = np.frombuffer(raw, dtype=storage).reshape(header.shape)
     if out is None:
-        arr = src.copy()  # never hand out a view of a buffer the caller may reuse
+        arr = np.empty(header.shape, dtype=storage)
     else:
         if out.shape != header.shape or out.dtype.itemsize != storage.itemsize:
             raise LayoutError(f"out has shape {list(out.shape)}, object {list(header.shape)}")
-        np.copyto(out.view(storage) if out.dtype != storage else out, src, casting="no")
         arr = out
+    _decode_payload_into(header, payload, arr.view(storage) if arr.dtype != storage else arr)
     return DecodedSegment(header=header, array=arr)
+
+
+def _decode_payload_into(header: SegmentHeader, payload: memoryview, out: np.ndarray) -> None:
+    """Decode a (decrypted) payload into ``out``, an array of the storage dtype."""
+    if header.codec == "int8":
+        dequantize_int8_into(payload, out, header.dtype)  # straight into the cache dtype
+        return
+    raw = _decompress(header, payload)
+    src = np.frombuffer(raw, dtype=out.dtype).reshape(header.shape)
+    np.copyto(out, src, casting="no")
 
 
 # --- streaming decode: straight into the destination -----------------------------------------
@@ -683,7 +714,7 @@ def read_segment_into(
     plain: bytes = (
         payload if k is None else decrypt(k, header.nonce, header.aad(), memoryview(payload))
     )
-    raw = _decompress(header, memoryview(plain))
-    src = np.frombuffer(raw, dtype=storage).reshape(header.shape)
-    np.copyto(out.view(storage) if out.dtype != storage else out, src, casting="no")
+    _decode_payload_into(
+        header, memoryview(plain), out.view(storage) if out.dtype != storage else out
+    )
     return header, size

@@ -475,7 +475,7 @@ def _emit(report: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 def add_bench_parser(sub: Any) -> None:
-    b = sub.add_parser("bench", help="benchmarks: ttft, costmodel, decode, suite")
+    b = sub.add_parser("bench", help="benchmarks: ttft, costmodel, decode, codec, suite")
     bsub = b.add_subparsers(dest="bench", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
@@ -507,6 +507,10 @@ def add_bench_parser(sub: Any) -> None:
     d.add_argument("--rounds", type=int, default=3)
     d.add_argument("--backend", default="file", choices=("file", "servers"))
     d.set_defaults(func=cmd_bench_decode)
+
+    from .bench_codec import add_codec_parser
+
+    add_codec_parser(bsub)
 
     su = bsub.add_parser("suite", help="everything `make bench` runs; writes JSON, PNGs, tables")
     su.add_argument("--out", type=Path, default=Path("docs/bench"))

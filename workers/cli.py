@@ -86,6 +86,13 @@ _ENGINE_FLAGS: list[tuple[str, str, type, str, str]] = [
         "tokens per page and stored segment [$KVCLOUD_CHUNK_TOKENS]",
     ),
     ("--kv-dtype", "kv_dtype", str, "DTYPE", "float16 | bfloat16 | float32 [$KVCLOUD_KV_DTYPE]"),
+    (
+        "--kv-codec",
+        "kv_codec",
+        str,
+        "CODEC",
+        "stored KV: lossless | int8 (half the bytes, approximate) [$KVCLOUD_KV_CODEC]",
+    ),
     ("--device", "device", str, "DEVICE", "cpu | cuda | auto [$KVCLOUD_DEVICE]"),
     ("--threads", "threads", int, "N", "torch threads, 0 = torch's default [$KVCLOUD_THREADS]"),
     (

@@ -60,6 +60,12 @@ class WorkerOptions:
     kv_dtype: str = field(default="float16", metadata={"env": "KVCLOUD_KV_DTYPE"})
     """Cache dtype: float16, bfloat16 or float32. What is stored is exactly the page."""
 
+    kv_codec: str = field(default="lossless", metadata={"env": "KVCLOUD_KV_CODEC"})
+    """lossless (stored KV restores bit for bit) or int8 (1 byte per element plus a scale per
+    token and head: about half the bytes of 16-bit KV, restored approximately). int8 is its
+    own namespace: its KV is never served to a lossless worker, nor the reverse. Sessions
+    that must continue bit-identically need lossless."""
+
     device: str = field(default="auto", metadata={"env": "KVCLOUD_DEVICE"})
     """cpu, cuda, or auto (cuda when available)."""
 
@@ -109,6 +115,8 @@ class WorkerOptions:
             raise ValueError("chunk_tokens must be positive")
         if self.kv_dtype not in ("float16", "bfloat16", "float32"):
             raise ValueError("kv_dtype must be float16, bfloat16 or float32")
+        if self.kv_codec not in ("lossless", "int8"):
+            raise ValueError("kv_codec must be lossless or int8")
         if self.model_dtype not in ("auto", "float16", "bfloat16", "float32"):
             raise ValueError("model_dtype must be auto, float16, bfloat16 or float32")
         if self.model_path is not None and not self.model_path.strip():

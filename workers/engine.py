@@ -81,6 +81,7 @@ class Engine(SessionsMixin, PagesMixin):
             dtype=options.kv_dtype,
             chunk_tokens=self.c,
             extra=extra,
+            quant="" if options.kv_codec == "lossless" else options.kv_codec,
         )
         self.pool = PagePool(options.cache_pages, self.cfg, self.c, options.kv_dtype, self.device)
         self.prefix = PrefixCache()
@@ -121,13 +122,14 @@ class Engine(SessionsMixin, PagesMixin):
         self._calibrate()
         self._update_gauges()
         log.info(
-            "worker %s: model %s on %s, %d pages of %d tokens (%s), store %s",
+            "worker %s: model %s on %s, %d pages of %d tokens (%s, %s stored KV), store %s",
             options.worker_id,
             self.cfg.name,
             self.device,
             options.cache_pages,
             self.c,
             options.kv_dtype,
+            options.kv_codec,
             redact_url(options.store) if options.store else "none",
         )
 

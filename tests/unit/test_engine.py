@@ -258,3 +258,43 @@ def test_remote_chunks_after_a_local_gap_reuse_nothing_twice(tmp_path: Path) -> 
     again = b.complete(req(p, 6))
     assert again.tokens == first.tokens
     assert again.tokens_local == C and again.tokens_remote == 2 * C
+
+
+def test_int8_workers_share_with_each_other_and_never_with_lossless(tmp_path: Path) -> None:
+    """KVCLOUD_KV_CODEC=int8: pushes are ~half the bytes; another int8 worker restores them;
+    a lossless worker on the same store and index never gets them, and its own pushes
+    restore bit for bit as before."""
+    long = prompt(4 * C + 3, 21)
+    a = Engine(opts(tmp_path, kv_codec="int8", write_policy="write-through"))
+    a.complete(req(long, 2))
+    assert a.uploader is not None and a.uploader.drain(10)
+    with KVCloud.open(store=a.options.store, index=a.options.index) as kv:
+        sizes = [i.size for i in kv.store.list()]
+    assert len(sizes) == 4
+    ns = a.ns
+    assert ns.quant == "int8"
+    elems = ns.num_layers * 2 * C * ns.num_kv_heads * ns.head_dim
+    payload = elems + 4 * elems // ns.head_dim  # 1 B an element, a float32 scale a head
+    assert payload < ns.chunk_bytes  # float16 pages: 2 B an element
+    assert all(payload < s < payload + 400 for s in sizes)  # plus the header
+
+    exact = Engine(opts(tmp_path))
+    assert exact.ns.id != ns.id
+    r = exact.complete(req(long, 2))
+    assert r.tokens_remote == 0 and r.tokens_computed == len(long)
+
+    b = Engine(opts(tmp_path, kv_codec="int8"))
+    r = b.complete(req(long, 2))
+    assert r.tokens_remote == 4 * C
+
+    # the restored pages hold the dequantized KV: close to, but not, the exact pages
+    def page(e: Engine) -> torch.Tensor:
+        cp = e.prefix.get(e._fps(long, "default")[0])
+        assert cp is not None
+        return e.pool.data[cp.page].float()
+
+    got, want = page(b), page(exact)
+    assert not torch.equal(got, want)
+    # within half a quantization step (of each token's head) plus the float16 rounding
+    step = want.abs().amax(dim=-1, keepdim=True) / 127
+    assert ((got - want).abs() <= 0.5 * step + 1e-3 * want.abs()).all()
