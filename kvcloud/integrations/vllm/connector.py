@@ -9,6 +9,7 @@ and the namespace in keys.py.
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +43,8 @@ def _route_kvcloud_logs() -> None:
     if not ours.handlers and theirs.handlers:
         for handler in theirs.handlers:
             ours.addHandler(handler)
-        ours.setLevel(logging.INFO)
+        # KVCLOUD_LOG_LEVEL=DEBUG shows each restore's pull time, for profiling
+        ours.setLevel(os.environ.get("KVCLOUD_LOG_LEVEL", "INFO").upper())
         ours.propagate = False
 
 
