@@ -20,6 +20,7 @@ written to a fresh corpus directory when none is given, so mutation starts past 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import io
 import sys
@@ -72,10 +73,13 @@ def seeds() -> list[bytes]:
     fps = chunk_fingerprints(NS, tokens, derive_tenant_key(b"fuzz", "t"))
     full = rng.standard_normal(NS.kv_shape(16)).astype(np.float16)
     out = []
+    lossy = getattr(segment, "LOSSY_CODECS", ())
     for codec in segment.CODECS:
+        # a lossy codec encodes only in a namespace that names it
+        ns = dataclasses.replace(NS, quant=codec) if codec in lossy else NS
         for n in (16, 5):  # a full chunk and a partial tail
             kv = np.ascontiguousarray(full[:, :, :n])
-            out.append(bytes(segment.encode_segment(NS, fps[1], fps[0], kv, codec=codec).data))
+            out.append(bytes(segment.encode_segment(ns, fps[1], fps[0], kv, codec=codec).data))
     if KEYWORDS:
         seg = segment.encode_segment(NS, fps[1], fps[0], full, codec="zstd", **KEYWORDS)
         out.append(bytes(seg.data))
