@@ -12,7 +12,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -326,9 +325,7 @@ def test_gc_grace_keeps_young_then_deletes_only_the_orphan(
         assert gc(kv.store, kv.index, grace_seconds=grace).objects_deleted == 0
 
 
-def test_old_sha256_and_new_blake3_objects_in_one_store(
-    env: Env, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_old_sha256_and_new_blake3_objects_in_one_store(env: Env) -> None:
     """A store an older build wrote (format v1, SHA-256 keys) keeps working after the
     upgrade: chains mixing v1 and v2 objects pull bit-exact, verify --deep checks both, a
     damaged v1 object is found, and gc collects orphans of both forms and nothing else."""
@@ -337,11 +334,13 @@ def test_old_sha256_and_new_blake3_objects_in_one_store(
         c = ns.chunk_tokens
         toks = make_tokens(3 * c, seed=21)
         arr = make_kv(ns, 3 * c, seed=21)
-        # an older build pushed the first two chunks
-        with monkeypatch.context() as mp:
-            mp.setattr("kvcloud.client.encode_segment", partial(encode_segment, version=1))
-            old = kv.push(ns, toks[: 2 * c + 1], arr[:, :, : 2 * c + 1]).keys
-            orphan_v1, size_v1 = put_orphan(kv, ns, seed=61)
+        # an older build pushed the first two chunks (v1 is what KVCLOUD_SEGMENT_VERSION=1
+        # writes, byte for byte what earlier releases wrote)
+        with KVCloud.open(store=env.store, index=env.index, segment_version=1) as older:
+            old = older.push(ns, toks[: 2 * c + 1], arr[:, :, : 2 * c + 1]).keys
+        seg = encode_segment(ns, bytes([61]) * 32, ns.digest, make_kv(ns, c, 61), version=1)
+        assert kv.store.put(seg.key(), seg.data)
+        orphan_v1, size_v1 = seg.key(), len(seg.data)
         # this build extends the same prompt: only the new chunk is written, in v2
         res = kv.push(ns, toks, arr)
         assert res.pushed == 1 and res.keys[:2] == old
