@@ -26,6 +26,7 @@ at once on two workers: the last record written wins.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import time
@@ -352,19 +353,13 @@ class SessionsMixin:
     def session_info(self, session_id: str, tenant: str) -> SessionInfo:
         with self._lock:
             sess = self.sessions.get((tenant, session_id))
+            rec = None
             if sess is not None and self._shares_sessions:
-                newer = self._newer_record(sess)
-                if newer is not None:  # what this worker holds is not the session any more
+                rec = self._newer_record(sess)
+                if rec is not None:  # what this worker holds is not the session any more
                     self._drop_session(sess)
                     self._update_gauges()
-                    return SessionInfo(
-                        session_id,
-                        newer.n_tokens,
-                        newer.kv_tokens,
-                        resident=False,
-                        stored=True,
-                        updated=newer.updated,
-                    )
+                    sess = None
             if sess is not None:
                 return SessionInfo(
                     session_id,
@@ -374,19 +369,18 @@ class SessionsMixin:
                     stored=sess.stored,
                     extra={"dirty": sess.dirty},
                 )
-            if self.kv is not None:
-                try:
+            if rec is None and self.kv is not None:
+                with contextlib.suppress(KVCloudError):
                     rec = self.kv.load_session(self.ns, session_id, tenant)
-                    return SessionInfo(
-                        session_id,
-                        rec.n_tokens,
-                        rec.kv_tokens,
-                        resident=False,
-                        stored=True,
-                        updated=rec.updated,
-                    )
-                except KVCloudError:
-                    pass
+            if rec is not None:
+                return SessionInfo(
+                    session_id,
+                    rec.n_tokens,
+                    rec.kv_tokens,
+                    resident=False,
+                    stored=True,
+                    updated=rec.updated,
+                )
             raise SessionUnknownError(f"unknown session {session_id!r}")
 
     def flush_all(self, timeout: float = 30.0) -> list[FlushResult]:
