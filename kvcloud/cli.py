@@ -593,7 +593,7 @@ def cmd_bench_store(args: argparse.Namespace) -> int:
         )
     lk = r["lookup"]
     t = Table(f"{lk['chunks']}-chunk lookup, {lk['iters']}×", "p50 ms", "p99 ms", "mean ms")
-    for name in ("kvcloud", "index_lookup", "ping"):
+    for name in ("kvcloud", "fingerprints", "index_lookup_run", "ping"):
         x = lk[name]
         t.add_row(
             x["method"].replace("KVCloud.", "kvcloud "),
@@ -602,6 +602,12 @@ def cmd_bench_store(args: argparse.Namespace) -> int:
             f"{x['mean_ms']:.3f}",
         )
     console.print(t)
+    mem = r.get("index_memory")
+    if mem:
+        console.print(
+            f"redis {mem['redis_version']}: {mem['entries']:,} entries, "
+            f"{mem['bytes_per_entry']:.1f} B/entry ({mem['buckets']} buckets per namespace)"
+        )
     console.print(
         f"lookup/ping: p50 {lk['ratio_p50']:.2f}×, p99 {lk['ratio_p99']:.2f}×   "
         + (

@@ -410,15 +410,17 @@ class KVCloud(Closing):
         pending = self._drain_pending()
         pending["lookups"] = pending.get("lookups", 0) + 1
         try:
-            entries = self.index.lookup(ns.id, _hex(fps), counters=pending)
+            # Only the leading run of hits is usable (a chunk needs every chunk before it),
+            # so the index may stop reading at the first miss.
+            entries = self.index.lookup_run(ns.id, _hex(fps), counters=pending)
         except IndexBackendError as exc:
             self._restore_pending(pending)
             log.warning("index lookup failed, treating as a miss: %s", exc)
             self._count(index_errors=1, lookups=1, chunks_missed=len(fps))
             return Match(ns, t, (), start + len(fps))
         hits: list[ChunkRef] = []
-        for i, (fp, entry) in enumerate(zip(fps, entries, strict=True)):
-            if entry is None:
+        for i, (fp, entry) in enumerate(zip(fps, entries, strict=False)):
+            if entry is None:  # an Index subclass written before lookup_run existed
                 break
             hits.append(ChunkRef(start + i, fp, parent, entry))
             parent = fp

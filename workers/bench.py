@@ -607,8 +607,9 @@ def ttft_markdown(report: dict[str, Any]) -> str:
 def store_markdown(report: dict[str, Any]) -> str:
     out = [
         "| backend | push GB/s (kvcloud / plain, ratio) | pull → pages GB/s (kvcloud / plain,"
-        " ratio) | lookup 128 chunks p50 / p99 ms | ping p50 / p99 ms | p99 ratio |",
-        "|---|---|---|---|---|---|",
+        " ratio) | lookup 128 chunks p50 / p99 ms | ping p50 / p99 ms | p50 / p99 ratio |"
+        " index B/entry |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, r in report.items():
         push, pull, lk = r["push"], r["pull"], r["lookup"]
@@ -618,7 +619,8 @@ def store_markdown(report: dict[str, Any]) -> str:
             f"{pull['kvcloud']['gbps_median']:.3f} / {pull['baseline']['gbps_median']:.3f} "
             f"(**{pull['ratio_median']:.2f}×**) | {lk['kvcloud']['p50_ms']:.2f} / "
             f"{lk['kvcloud']['p99_ms']:.2f} | {lk['ping']['p50_ms']:.3f} / "
-            f"{lk['ping']['p99_ms']:.3f} | {lk['ratio_p99']:.1f}× |"
+            f"{lk['ping']['p99_ms']:.3f} | {lk['ratio_p50']:.1f}× / {lk['ratio_p99']:.1f}× | "
+            + (f"{r['index_memory']['bytes_per_entry']:.0f} |" if r.get("index_memory") else "– |")
         )
     return "\n".join(out)
 

@@ -76,6 +76,16 @@ class Index(Closing, ABC):
         extra latency on the request path).
         """
 
+    def lookup_run(
+        self, ns: str, fps: Sequence[str], counters: Mapping[str, int] | None = None
+    ) -> list[IndexEntry]:
+        """The entries of the leading run of hits: ``lookup`` cut at the first miss, which is
+        all a restore can use (a chunk needs every chunk before it). Backends may stop
+        reading at that miss and return less; the request path of ``KVCloud.lookup``."""
+        found = self.lookup(ns, fps, counters)
+        run = next((i for i, e in enumerate(found) if e is None), len(found))
+        return found[:run]  # type: ignore[return-value]
+
     @abstractmethod
     def drop(self, ns: str, fp: str, object_key: str | None = None) -> bool:
         """Delete the entry (only if it still points at ``object_key``, when given)."""

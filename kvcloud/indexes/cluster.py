@@ -5,19 +5,18 @@ URL: ``redis+cluster://[user:password@]host:port[,host:port...][/0]?prefix=kvc&t
 discover the cluster; list several so that one being down at startup does not matter.
 
 The key schema is :class:`~kvcloud.indexes.redis.RedisIndex`'s, which carries no hash tags on
-purpose: each entry key hashes to its own slot by fingerprint, so a hot namespace spreads over
-every master instead of pinning one. That rules out multi-key commands across entries, so
-this variant swaps the two multi-key paths of RedisIndex for their single-key equivalents:
+purpose: each bucket hashes to its own slot, so a hot namespace spreads over every master
+instead of pinning one. That rules out multi-key commands across entries, so this variant
+(``_single_key``) turns the multi-key paths of RedisIndex into single-key ones:
 
-- ``lookup`` is a non-transactional pipeline of GETs, which redis-py's cluster client groups
+- ``lookup`` is a non-transactional pipeline of HGETs, which redis-py's cluster client groups
   by node and sends to every node involved before reading any reply (one round trip per node,
-  in parallel), instead of one MGET;
-- the background TTL renewals and counter increments are a pipeline of PEXPIRE / HINCRBY
-  instead of one EVALSHA over many keys.
+  in parallel), instead of one chain-walking script; expiry is checked on the client;
+- registrations and the background TTL renewals are pipelines of one-key scripts (sent as
+  EVAL, since a cluster pipeline cannot load a script on the node it lands on).
 
-Everything else in RedisIndex already touches a single key per command: registration is
-``SET NX PX`` per entry (pipelined, never MULTI), the compare-and-drop script has one key,
-sessions are one key each, and SCAN runs on every master.
+Everything else already touches a single key per command: the compare-and-drop script has
+one key, sessions are one key each, and SCAN runs on every master.
 """
 
 from __future__ import annotations
@@ -156,10 +155,9 @@ class RedisClusterIndex(RedisIndex):
 
     scheme_names: tuple[str, ...] = ("redis+cluster", "rediss+cluster")
 
-    # MGET and the multi-key renewal script need every key in one slot; entry keys are
-    # spread over slots by design.
-    _read_entries = RedisIndex._read_entries_pipelined
-    _write_side_effects = RedisIndex._write_side_effects_pipelined
+    # The multi-key scripts need every key in one slot; buckets are spread over slots by
+    # design.
+    _single_key = True
 
     def _make_client(self, url: str, **kwargs: Any) -> Any:
         parts = urlsplit(url)

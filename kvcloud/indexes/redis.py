@@ -2,37 +2,46 @@
 
 Key schema (``prefix`` defaults to ``kvc``)::
 
-    {prefix}:e:{ns}:{fp}                 entry, value = IndexEntry.pack(), sliding TTL
+    {prefix}:h:{ns}:{bucket}             hash of entries: field = fingerprint, value = entry
     {prefix}:s:{scope}:{session_id}      session record, optional TTL
     {prefix}:counters                    hash of named counters
+    {prefix}:e:{ns}:{fp}                 entry of releases before 0.13 (read for gc/verify/stats)
 
-Every key component is percent-encoded (:func:`_component`), so a ``:`` or glob character in
-a tenant-controlled string cannot reach another tenant's key or widen a SCAN pattern. Entry
-keys carry no hash tag on purpose: in Redis Cluster they must spread over slots by
-fingerprint rather than pin a whole namespace to one node.
+Entries live in small hashes ("buckets"), ``buckets`` per namespace (URL option, default
+4096), picked by the fingerprint's leading bits. Redis keeps a hash of at most
+``hash-max-listpack-entries`` (128) fields of at most 64 bytes as one flat listpack: about
+115 bytes per entry, where a key per entry costs about 340 (a dictionary entry, an expiry
+entry, the key's and the value's allocations). The binary field (32 bytes) and value (at most
+62 bytes with a standard object key, :func:`_pack_value`) are sized to stay in it. Redis 7.0
+has no per-field expiry, so each value carries its own ``expires_at`` and every reader treats
+an expired value as absent; a bucket's own TTL is the latest of its entries', and a
+registration now and then deletes the expired fields of the bucket it writes to.
 
-Lookups are one ``MGET`` on the request path: one command whose packing and reply parsing are
-cheap (in C with hiredis), where a pipeline of 128 ``GETEX`` spends most of its time building
-and parsing 128 commands in Python. What ``GETEX`` did on the side — sliding the TTL of the
-hits — and the counter increments are sent by one background thread (:class:`_Deferred`),
-``renew_delay`` (50 ms) later, in one ``EVALSHA`` per batch of the lookups of that window.
-PEXPIRE never creates a key, so a late renewal cannot resurrect an entry deleted meanwhile.
+Lookups are one ``EVALSHA`` on the request path: a script that walks the prompt's chain and
+returns only the run of hits (``lookup_run``) or every entry (``lookup``). The TTL renewal of
+the hits and the counter increments are sent by one background thread (:class:`Deferred`),
+``renew_delay`` (50 ms) later, and only for hits whose expiry is more than a hundredth of the
+TTL (at most a minute) old, so a hot prefix costs a write a minute rather than one per lookup
+(and gc's least-recently-used order has that resolution). A
+renewal rewrites only a value that still exists and has not expired, so it can never
+resurrect an entry deleted or expired meanwhile.
 
-Every other operation touches a single key or is a non-transactional pipeline. ``MGET`` and the
-renewal script are multi-key, which Redis Cluster allows only within one slot, and entry keys
-deliberately spread over slots: a cluster variant swaps the client (``_make_client``,
-``_scan``) and points ``_read_entries`` / ``_write_side_effects`` at their pipelined
-equivalents (``_read_entries_pipelined``, ``_write_side_effects_pipelined``).
+Every other operation touches a single key or is a non-transactional pipeline. The lookup and
+the batched registration and renewal scripts are multi-key, which Redis Cluster allows only
+within one slot, and buckets deliberately spread over slots: a cluster variant swaps the
+client (``_make_client``, ``_scan``) and sets ``_single_key`` so that each of them becomes a
+pipeline of single-key commands.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
-import threading
+import re
+import struct
 import time
 import weakref
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -46,6 +55,7 @@ from redis.retry import Retry
 from ..errors import ConfigError, IndexBackendError, IndexUnavailableError
 from ..urls import redact_url
 from .base import DEFAULT_TTL_SECONDS, EntryRecord, Index, IndexEntry
+from .deferred import Deferred
 
 log = logging.getLogger("kvcloud.index")
 
@@ -54,9 +64,108 @@ T = TypeVar("T")
 DEFAULT_PREFIX = "kvc"
 _SCAN_COUNT = 1000
 
-# Compare-and-delete in one atomic step: deletes the entry only if it still names the object
-# the caller verified, so a concurrent re-registration to a new object is never lost.
-_DROP_IF_SCRIPT = """
+# A value is valid when its format byte is 1 and it is long enough to hold the fixed part;
+# its expiry (unix seconds, a double) sits at byte 2. Anything else is garbage: a lookup
+# returns it (the client logs it and treats it as a miss) and a registration overwrites it.
+_LUA_HELPERS = """
+local function live(v, now)
+  if not v or #v < 30 or string.byte(v, 1) ~= 1 then return false end
+  return struct.unpack('<d', v, 2) > now
+end
+local function keep_bucket(k, ttl)
+  if redis.call('PTTL', k) < ttl then redis.call('PEXPIRE', k, ttl) end
+end
+"""
+
+# The request path. KEYS[i] is the bucket of the i-th fingerprint, ARGV[i + 2] its field;
+# ARGV[1] is now, ARGV[2] '1' to stop at the first miss (only the hit run comes back) or
+# '0' for every entry (false for a miss). Never writes.
+_LOOKUP_SCRIPT = """
+local now = tonumber(ARGV[1])
+local walk = ARGV[2] == '1'
+local out = {}
+for i = 1, #KEYS do
+  local v = redis.call('HGET', KEYS[i], ARGV[i + 2])
+  if v and #v >= 30 and string.byte(v, 1) == 1 and struct.unpack('<d', v, 2) <= now then
+    v = false
+  end
+  if not v then
+    if walk then break end
+    v = false
+  end
+  out[i] = v
+end
+return out
+"""
+
+# SET NX per entry: KEYS[i] and ARGV[2i + 1], ARGV[2i + 2] are the bucket, field and value of
+# the i-th entry; ARGV[1] now, ARGV[2] the TTL in ms. An expired or garbage value counts as
+# absent. Every 32nd new field of a bucket sweeps the bucket's expired fields, so a bucket
+# that keeps receiving entries cannot keep dead ones forever.
+_REGISTER_SCRIPT = (
+    _LUA_HELPERS
+    + """
+local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+local out = {}
+for i = 1, #KEYS do
+  local k, f = KEYS[i], ARGV[2 * i + 1]
+  if live(redis.call('HGET', k, f), now) then
+    out[i] = 0
+  else
+    if redis.call('HSET', k, f, ARGV[2 * i + 2]) == 1 and redis.call('HLEN', k) % 32 == 0 then
+      local all = redis.call('HGETALL', k)
+      for j = 1, #all, 2 do
+        if not live(all[j + 1], now) then redis.call('HDEL', k, all[j]) end
+      end
+    end
+    keep_bucket(k, ttl)
+    out[i] = 1
+  end
+end
+return out
+"""
+)
+
+# Sliding TTL, from the background thread: KEYS[i] and ARGV[i + 3] are a bucket and a field;
+# ARGV[1] now, ARGV[2] the new expiry, ARGV[3] the TTL in ms. Only a live value is rewritten,
+# and only forwards, so a late renewal never resurrects an entry deleted or expired meanwhile.
+_RENEW_SCRIPT = (
+    _LUA_HELPERS
+    + """
+local now, new, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local n = 0
+for i = 1, #KEYS do
+  local k, f = KEYS[i], ARGV[i + 3]
+  local v = redis.call('HGET', k, f)
+  if live(v, now) and struct.unpack('<d', v, 2) < new then
+    redis.call('HSET', k, f, string.sub(v, 1, 1) .. struct.pack('<d', new) .. string.sub(v, 10))
+    keep_bucket(k, ttl)
+    n = n + 1
+  end
+end
+return n
+"""
+)
+
+# Compare-and-delete in one atomic step: KEYS[1] the bucket, ARGV[1] now, ARGV[2] the field,
+# ARGV[3] the packed object key the caller verified ('' for any). A concurrent
+# re-registration to a new object is never lost.
+_DROP_SCRIPT = (
+    _LUA_HELPERS
+    + """
+local v = redis.call('HGET', KEYS[1], ARGV[2])
+if not v then return 0 end
+if live(v, tonumber(ARGV[1])) then
+  if ARGV[3] ~= '' and string.sub(v, 30) ~= ARGV[3] then return 0 end
+elseif ARGV[3] ~= '' or (#v >= 30 and string.byte(v, 1) == 1) then
+  return 0
+end
+return redis.call('HDEL', KEYS[1], ARGV[2])
+"""
+)
+
+# Compare-and-delete of an entry in the layout before 0.13 (one msgpack string per entry).
+_LEGACY_DROP_SCRIPT = """
 local raw = redis.call('GET', KEYS[1])
 if not raw then return 0 end
 local ok, entry = pcall(cmsgpack.unpack, raw)
@@ -64,34 +173,92 @@ if not ok or type(entry) ~= 'table' or entry[1] ~= ARGV[1] then return 0 end
 return redis.call('DEL', KEYS[1])
 """
 
-# The side effects of lookups, sent by the background thread in one command: KEYS[1] is the
-# counters hash, KEYS[2..] the entries that were hit; ARGV[1] the TTL in ms, ARGV[2..] pairs of
-# counter name and increment. PEXPIRE on a key deleted since the lookup (drop, gc) is a no-op,
-# so a late renewal can never resurrect an entry.
-_SIDE_EFFECTS_SCRIPT = """
-for i = 2, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[1]) end
-for i = 2, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
-return #KEYS - 1
-"""
+# Entries registered or renewed per script call: bounds how long one call keeps the
+# (single-threaded) server busy.
+_WRITE_BATCH = 512
+# Decoded entries kept by their packed bytes (expiry excluded). Entries are immutable values,
+# the same prefixes are looked up again and again (system prompts, continued sessions), and
+# building the frozen IndexEntry costs more than the round trip's share per entry. ~0.5 KB an
+# entry.
+_DECODE_CACHE_SIZE = 8192
+DEFAULT_BUCKETS = 4096
+_MAX_BUCKETS = 1 << 24
 
-# Keys renewed per script call: bounds how long one call keeps the (single-threaded) server busy.
-_RENEW_BATCH = 512
-# Pending renewals (counted with repeats: lookups only append, the thread deduplicates) past
-# which the background thread sends at once instead of waiting out its delay.
-_SEND_AT_KEYS = 16_384
-# Past this many (Redis slow or down for a while) new renewals are dropped: a missed renewal
-# only means an entry may expire earlier than it would have. ~100 bytes a key.
-_MAX_PENDING_KEYS = 65_536
-# Decoded entries kept by their packed bytes. Entries are immutable values, the same prefixes
-# are looked up again and again (system prompts, continued sessions), and building the frozen
-# IndexEntry costs ~10x the msgpack decode: with the cache a 128-entry decode drops from
-# ~0.2 ms to ~0.02 ms. ~0.5 KB an entry.
-_DECODE_CACHE_SIZE = 4096
-# Seconds without work after which the background thread exits (a new one starts on demand).
-_IDLE_EXIT = 30.0
-# How often the background thread may log a failure (seconds), so an outage logs a line now
-# and then instead of one per lookup.
-_WARN_INTERVAL = 30.0
+# The value: format (1), expires_at, created, n_tokens, size, then the object key: a form
+# byte and either the 32-byte digest of a standard key (<ns>/<d[:2]>/<d>[.b3]) or the key as
+# UTF-8 (any other key, e.g. one written by a custom client).
+_HEAD = struct.Struct("<BddIQ")
+_EXPIRES = struct.Struct("<d")
+_FORMAT = 1
+_KEY_RAW, _KEY_BLAKE3, _KEY_SHA256 = 0, 1, 2
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_HEXES = re.compile(r"(?:[0-9a-f]{64})*")
+
+
+def _pack_key(ns: str, key: str) -> bytes:
+    """The object key as stored: 33 bytes for the standard keys of this namespace."""
+    head = ns + "/"
+    if key.startswith(head):
+        rest = key[len(head) :]
+        digest = rest[3:-3] if rest.endswith(".b3") else rest[3:]
+        form = _KEY_BLAKE3 if rest.endswith(".b3") else _KEY_SHA256
+        if rest[2:3] == "/" and rest[:2] == digest[:2] and _HEX64.fullmatch(digest):
+            return bytes((form,)) + bytes.fromhex(digest)
+    return bytes((_KEY_RAW,)) + key.encode("utf-8")
+
+
+def _unpack_key(ns: str, packed: bytes) -> str:
+    form, body = packed[0], packed[1:]
+    if form == _KEY_RAW:
+        return body.decode("utf-8")
+    if form not in (_KEY_BLAKE3, _KEY_SHA256) or len(body) != 32:
+        raise ValueError(f"bad object key form {form} ({len(body)} bytes)")
+    digest = body.hex()
+    return f"{ns}/{digest[:2]}/{digest}" + (".b3" if form == _KEY_BLAKE3 else "")
+
+
+def _pack_value(ns: str, entry: IndexEntry, expires_at: float) -> bytes:
+    head = _HEAD.pack(_FORMAT, expires_at, entry.created, entry.n_tokens, entry.size)
+    return head + _pack_key(ns, entry.object_key)
+
+
+@functools.lru_cache(maxsize=_DECODE_CACHE_SIZE)
+def _unpack_cached(ns: str, body: bytes) -> IndexEntry:
+    # body is the value from `created` on; lru_cache never caches an exception, so
+    # undecodable values are reported every time.
+    created, n_tokens, size = struct.unpack_from("<dIQ", body)
+    return IndexEntry(_unpack_key(ns, body[20:]), n_tokens, size, created)
+
+
+def _unpack_value(ns: str, raw: bytes) -> tuple[IndexEntry, float]:
+    """(entry, expires_at) of a stored value; ValueError for anything else."""
+    if len(raw) < _HEAD.size + 1 or raw[0] != _FORMAT:
+        raise ValueError(f"not an index entry value ({len(raw)} bytes)")
+    return _unpack_cached(ns, raw[9:]), _EXPIRES.unpack_from(raw, 1)[0]
+
+
+def _field(fp: str) -> bytes:
+    """The hash field of a fingerprint: its 32 bytes for a (lowercase) hex fingerprint, else
+    its UTF-8 followed by 0xff (never in UTF-8), padded so it is never 32 bytes long."""
+    if _HEX64.fullmatch(fp):
+        return bytes.fromhex(fp)
+    raw = fp.encode("utf-8") + b"\xff"
+    return raw + b"\xff" if len(raw) == 32 else raw
+
+
+def _fields(fps: list[str]) -> list[bytes]:
+    """_field of every fp, fast when all are hex fingerprints (one fromhex for the lot)."""
+    joined = "".join(fps)
+    if len(joined) == 64 * len(fps) and _HEXES.fullmatch(joined):
+        raw = bytes.fromhex(joined)
+        return [raw[i : i + 32] for i in range(0, len(raw), 32)]
+    return [_field(fp) for fp in fps]
+
+
+def _fp_of_field(field: bytes) -> str:
+    if len(field) == 32:
+        return field.hex()
+    return field[: field.index(b"\xff")].decode("utf-8")
 
 
 class _Retry(Retry):
@@ -138,12 +305,6 @@ def _text(key: bytes | str) -> str:
     return key.decode("utf-8") if isinstance(key, bytes) else key
 
 
-@functools.lru_cache(maxsize=_DECODE_CACHE_SIZE)
-def _unpack_cached(raw: bytes) -> IndexEntry:
-    # lru_cache never caches an exception, so undecodable values are reported every time.
-    return IndexEntry.unpack(raw)
-
-
 def _batched(items: Iterable[T], size: int) -> Iterator[list[T]]:
     batch: list[T] = []
     for item in items:
@@ -155,224 +316,24 @@ def _batched(items: Iterable[T], size: int) -> Iterator[list[T]]:
         yield batch
 
 
-class _Deferred:
-    """Sends the side effects of lookups (TTL renewals of hits, counter increments) off the
-    request path, from one daemon thread.
-
-    ``submit`` appends to a list under a lock that is never held across I/O: the caller never
-    waits for the network and never sees an exception. The thread wakes when the first item
-    arrives, lets ``delay`` seconds of lookups accumulate, then sends them all as one batch
-    (duplicate keys once). The delay is what keeps this cheap: a busy worker sends one batch
-    per ``delay`` instead of one per lookup, so the thread rarely competes with the request
-    path for the GIL and the server. A batch of _SEND_AT_KEYS goes out without waiting.
-    ``flush`` cuts the delay short and waits until everything submitted before it was
-    attempted; ``close`` flushes and stops the thread. The thread also exits after
-    _IDLE_EXIT seconds without work; ``submit`` starts a new one when needed.
-
-    When ``send`` fails with IndexUnavailableError (Redis unreachable or slow) the counters are
-    kept for the next batch, since they would otherwise be lost, and renewals are dropped:
-    they are only hints. Any other failure drops the batch. Either way it is logged, at most
-    once per _WARN_INTERVAL. Renewals past ``max_keys`` pending are dropped (and logged).
-
-    ``send`` is held weakly, so the thread does not keep an index that nobody closed alive.
-    """
-
-    def __init__(
-        self,
-        send: Callable[[list[str], dict[str, int]], None],
-        name: str,
-        *,
-        delay: float = 0.05,
-        max_keys: int = _MAX_PENDING_KEYS,
-        retry_delay: float = 1.0,
-    ) -> None:
-        self._send_ref = weakref.WeakMethod(send)
-        self._name = name
-        self.delay = float(delay)
-        self._max_keys = max_keys
-        self._retry_delay = retry_delay
-        self._reset()
-
-    def _reset(self) -> None:
-        self._pid = os.getpid()
-        self._cond = threading.Condition(threading.Lock())
-        self._keys: list[Sequence[str]] = []  # one sequence per lookup, deduplicated later
-        self._n_keys = 0
-        self._counters: dict[str, int] = {}
-        self._first_at = 0.0  # monotonic time of the oldest pending submission
-        self._submitted = 0  # submissions accepted so far (a retry counts as a new one)
-        self._attempted = 0  # submissions whose batch has been sent (or has failed)
-        self._urgent = False  # a flush is waiting: skip the delay
-        self._stopping = False
-        self._thread: threading.Thread | None = None
-        self._next_warning = 0.0  # monotonic
-
-    def _check_fork(self) -> None:
-        # A forked child inherits the pending items (its parent sends them) and a lock some
-        # parent thread may hold, but not the thread: start over empty.
-        if os.getpid() != self._pid:
-            self._reset()
-
-    def _pending(self) -> bool:
-        return bool(self._keys or self._counters)
-
-    def _add_counters(self, counters: Mapping[str, int]) -> None:
-        for name, n in counters.items():
-            self._counters[name] = self._counters.get(name, 0) + int(n)
-
-    def submit(self, keys: Sequence[str], counters: Mapping[str, int] | None) -> None:
-        dropped = 0
-        try:
-            self._check_fork()
-            with self._cond:
-                was_idle = not self._pending()
-                if keys:
-                    if self._n_keys + len(keys) <= self._max_keys:
-                        self._keys.append(keys)
-                        self._n_keys += len(keys)
-                        if self._n_keys >= _SEND_AT_KEYS > self._n_keys - len(keys):
-                            self._cond.notify_all()  # a full batch: no need to wait
-                    else:
-                        dropped = len(keys)
-                if counters:
-                    self._add_counters(counters)
-                if dropped < len(keys) or counters:
-                    self._submitted += 1
-                    if was_idle:
-                        # Wake the thread only for the first item of a batch; the rest
-                        # just join the list while it waits out the delay.
-                        self._first_at = time.monotonic()
-                        self._cond.notify_all()
-                    self._ensure_thread()
-        except Exception as exc:  # the request path must not fail for a side effect
-            self._warn(f"lookup side effects dropped: {type(exc).__name__}: {exc}")
-        if dropped:
-            self._warn(f"{dropped} TTL renewals dropped: too many pending (Redis slow?)")
-
-    def _ensure_thread(self) -> None:
-        # Called with the lock held. The thread clears self._thread itself, under the lock,
-        # when it exits, so an item added after that starts a new thread.
-        if self._thread is None:
-            self._stopping = False
-            thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-            thread.start()
-            self._thread = thread
-
-    def flush(self, timeout: float) -> bool:
-        """Send what is pending now and wait until it was attempted; False on timeout."""
-        self._check_fork()
-        with self._cond:
-            target = self._submitted
-            if self._attempted >= target:
-                return True
-            self._urgent = True
-            self._ensure_thread()
-            self._cond.notify_all()
-            return self._cond.wait_for(lambda: self._attempted >= target, timeout)
-
-    def stop(self) -> None:
-        """Let the thread exit once nothing is pending, without waiting for it.
-
-        Runs from a GC finalizer, possibly on the thread itself while it holds the lock, so
-        it never blocks on the lock: without it the flag is still seen at the next wake-up.
-        """
-        self._stopping = True
-        if self._cond.acquire(blocking=False):
-            try:
-                self._cond.notify_all()
-            finally:
-                self._cond.release()
-
-    def close(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        if not self.flush(timeout):
-            log.warning(
-                "%s: pending TTL renewals and counters not sent in %.1fs", self._name, timeout
-            )
-        with self._cond:
-            self._stopping = True
-            thread = self._thread
-            self._cond.notify_all()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(max(0.0, deadline - time.monotonic()))
-
-    def _run(self) -> None:
-        try:
-            while self._run_once():
-                pass
-        finally:
-            with self._cond:
-                if self._thread is threading.current_thread():
-                    self._thread = None
-                self._cond.notify_all()
-
-    def _run_once(self) -> bool:
-        """Wait for a batch and send it; False when the thread should exit."""
-        with self._cond:
-            while not self._pending():
-                idle = self._stopping or not self._cond.wait(_IDLE_EXIT)
-                if idle and not self._pending():
-                    self._thread = None  # under the lock: a later submit starts a new one
-                    return False
-            # Let the batch fill for `delay` after its first item (bounded: a renewal lands
-            # within delay + one round trip of its lookup).
-            while not (self._urgent or self._stopping or self._n_keys >= _SEND_AT_KEYS):
-                left = self._first_at + self.delay - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-            lists, self._keys, self._n_keys = self._keys, [], 0
-            counters, self._counters = self._counters, {}
-            upto, self._urgent = self._submitted, False
-        # Deduplicated, in first-seen order, outside the lock.
-        keys = list(dict.fromkeys(key for part in lists for key in part))
-        retry = False
-        send = self._send_ref()
-        try:
-            if send is None:
-                return False  # the index is gone without close(): nothing to send with
-            send(keys, counters)
-        except IndexUnavailableError as exc:
-            retry = bool(counters)
-            self._warn(f"{len(keys)} TTL renewals not sent: {exc}")
-        except Exception as exc:  # a daemon thread has no caller to raise to
-            self._warn(f"{len(keys)} TTL renewals and counters {counters} not sent: {exc}")
-        finally:
-            del send
-        with self._cond:
-            if retry and not self._stopping:
-                if not self._pending():
-                    self._first_at = time.monotonic() + self._retry_delay  # do not spin
-                self._add_counters(counters)
-                self._submitted += 1  # so that a later flush waits for the retry
-            elif retry:
-                log.warning("%s: counters lost on close: %s", self._name, counters)
-            self._attempted = max(self._attempted, upto)
-            self._cond.notify_all()
-        return True
-
-    def _warn(self, message: str) -> None:
-        now = time.monotonic()
-        if now >= self._next_warning:
-            self._next_warning = now + _WARN_INTERVAL
-            log.warning("%s: %s", self._name, message)
-        else:
-            log.debug("%s: %s", self._name, message)
-
-
 class RedisIndex(Index):
     """Index in Redis (``redis://`` or TLS ``rediss://``).
 
-    URL: ``redis://[user:password@]host:port/db?prefix=kvc&ttl=604800``. ``prefix`` and
-    ``ttl`` (seconds; overrides ``ttl_seconds`` when present) are kvcloud's own options;
-    any other query option is passed to redis-py (e.g. ``ssl_ca_certs`` for rediss://).
+    URL: ``redis://[user:password@]host:port/db?prefix=kvc&ttl=604800&buckets=4096``.
+    ``prefix``, ``ttl`` (seconds; overrides ``ttl_seconds`` when present) and ``buckets``
+    (hashes per namespace, a power of two: about the namespace's entries ÷ 50; every worker of
+    a fleet must use the same value) are kvcloud's own options; any other query option is
+    passed to redis-py (e.g. ``ssl_ca_certs`` for rediss://).
 
-    ``lookup`` is one MGET; the sliding-TTL renewal of its hits and its ``counters`` are sent
-    by a background thread ``renew_delay`` seconds later (batched with the lookups of that
-    window), so they may lag a lookup by that much plus a round trip. ``counters()`` and
-    ``close()`` send whatever is pending first, so a process reads its own increments and a
-    clean close loses none.
+    ``lookup`` and ``lookup_run`` are one EVALSHA; the sliding-TTL renewal of their hits and
+    their ``counters`` are sent by a background thread ``renew_delay`` seconds later (batched
+    with the lookups of that window), so they may lag a lookup by that much plus a round trip.
+    ``counters()`` and ``close()`` send whatever is pending first, so a process reads its own
+    increments and a clean close loses none.
     """
+
+    #: Cluster variants: every multi-key script becomes a pipeline of single-key commands.
+    _single_key = False
 
     scheme_names: tuple[str, ...] = ("redis", "rediss")
 
@@ -387,6 +348,7 @@ class RedisIndex(Index):
         health_check_interval: int = 30,
         retry: Retry | None = None,
         renew_delay: float = 0.05,
+        buckets: int | None = None,
     ) -> None:
         self.url = redact_url(url)
         try:
@@ -410,9 +372,22 @@ class RedisIndex(Index):
                 ttl_seconds = int(raw_ttl)
             except ValueError:
                 raise ConfigError(f"index URL {self.url!r}: ttl must be an integer") from None
+        raw_buckets = options.pop("buckets", buckets if buckets is not None else DEFAULT_BUCKETS)
+        try:
+            n_buckets = int(raw_buckets)
+        except ValueError:
+            raise ConfigError(f"index URL {self.url!r}: buckets must be an integer") from None
+        if not 1 <= n_buckets <= _MAX_BUCKETS or n_buckets & (n_buckets - 1):
+            raise ConfigError(
+                f"index URL {self.url!r}: buckets must be a power of two from 1 to {_MAX_BUCKETS}"
+            )
+        self.buckets = n_buckets
         super().__init__(ttl_seconds)
         if self.ttl_seconds <= 0:
             raise ConfigError(f"index URL {self.url!r}: ttl must be positive")
+        # Renew a hit only when its expiry is this much older than a fresh one: a hot prefix
+        # then costs a write a minute instead of one per lookup.
+        self._renew_slack = min(self.ttl_seconds / 100, 60.0)
         if not prefix or "{" in prefix or "}" in prefix:
             # Braces would form a Redis Cluster hash tag and pin every key to one slot.
             raise ConfigError(f"index URL {self.url!r}: prefix must be non-empty, without braces")
@@ -431,9 +406,15 @@ class RedisIndex(Index):
             )
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"index URL {self.url!r}: {self._scrub(str(exc))}") from None
-        self._drop_if = self._client.register_script(_DROP_IF_SCRIPT)
-        self._side_effects = self._client.register_script(_SIDE_EFFECTS_SCRIPT)
-        self._deferred = _Deferred(
+        self._sources = {
+            "lookup": _LOOKUP_SCRIPT,
+            "register": _REGISTER_SCRIPT,
+            "renew": _RENEW_SCRIPT,
+            "drop": _DROP_SCRIPT,
+            "legacy_drop": _LEGACY_DROP_SCRIPT,
+        }
+        self._scripts = {n: self._client.register_script(s) for n, s in self._sources.items()}
+        self._deferred = Deferred(
             self._write_side_effects, f"kvcloud-index-{self.prefix}", delay=renew_delay
         )
         # An index dropped without close(): its thread need not idle on until _IDLE_EXIT.
@@ -450,62 +431,114 @@ class RedisIndex(Index):
     def _scan(self, pattern: str) -> Iterator[bytes]:
         return self._client.scan_iter(match=pattern, count=_SCAN_COUNT)
 
-    def _read_entries(self, keys: list[str]) -> list[bytes | None]:
-        """The request path of ``lookup``: the raw values of ``keys``, in one round trip.
+    def _script(self, name: str, keys: Sequence[str], args: Sequence[Any], pipe: Any = None) -> Any:
+        if pipe is None:
+            return self._scripts[name](keys=list(keys), args=list(args))
+        if self._single_key:
+            # A cluster pipeline cannot load a script on the node it lands on: send the source
+            # (off the request path, so its few hundred bytes do not matter).
+            return pipe.execute_command("EVAL", self._sources[name], len(keys), *keys, *args)
+        # EVALSHA by hand: a pipeline given Script objects asks SCRIPT EXISTS first, which is
+        # a second round trip every time; _execute loads them when the server says NOSCRIPT.
+        sha = self._scripts[name].sha
+        return pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
 
-        One MGET: a single command to pack and a single reply to parse, several times cheaper
-        than a pipeline of as many GETs. It does not renew TTLs (see _write_side_effects).
-        Multi-key, so one slot only: a cluster variant uses _read_entries_pipelined.
-        """
-        return self._client.execute_command("MGET", *keys)
+    def _execute(self, build: Callable[[Any, bool], None]) -> list[Any]:
+        """Run the pipeline ``build(pipe, first)`` fills, in one round trip. If the server has
+        lost the scripts (restart, SCRIPT FLUSH), load them and run it once more with
+        ``first`` False: every EVALSHA failed then, but any other command in it ran."""
+        for first in (True, False):
+            pipe = self._client.pipeline(transaction=False)
+            build(pipe, first)
+            if not len(pipe):
+                return []
+            try:
+                return pipe.execute()
+            except rexc.NoScriptError:
+                if not first:
+                    raise
+                for script in self._scripts.values():
+                    script.sha = self._client.script_load(script.script)
+        raise AssertionError("unreachable")
 
-    def _read_entries_pipelined(self, keys: list[str]) -> list[bytes | None]:
-        """_read_entries for servers where MGET cannot span the keys (Redis Cluster): a
-        non-transactional pipeline of GETs (one round trip per node involved)."""
+    def _read_entries(
+        self, buckets: list[str], fields: list[bytes], walk: bool
+    ) -> list[bytes | None]:
+        """The request path: the raw values of (bucket, field) pairs in one round trip,
+        stopping at the first miss when ``walk``. Expired values come back as misses; TTLs
+        are not renewed here (see _write_side_effects)."""
+        now = time.time()
+        if not self._single_key:
+            return self._script("lookup", buckets, [repr(now), "1" if walk else "0", *fields])
+        # One slot per command (Redis Cluster): a pipeline of HGETs, which redis-py sends to
+        # every node involved before reading any reply; the expiry is checked here.
         pipe = self._client.pipeline(transaction=False)
-        for key in keys:
-            pipe.get(key)
-        return pipe.execute()
+        for bucket, field in zip(buckets, fields, strict=True):
+            pipe.hget(bucket, field)
+        raws: list[bytes | None] = []
+        for raw in pipe.execute():
+            if (
+                raw is not None
+                and len(raw) > _HEAD.size
+                and raw[0] == _FORMAT
+                and _EXPIRES.unpack_from(raw, 1)[0] <= now
+            ):
+                raw = None
+            if raw is None and walk:
+                break
+            raws.append(raw)
+        return raws
 
-    def _write_side_effects(self, keys: list[str], counters: dict[str, int]) -> None:
-        """Background thread: slide the TTL of ``keys`` (lookup hits) and add ``counters``.
+    def _run_batches(
+        self, name: str, keys: list[str], head: list[Any], per_key: list[list[Any]]
+    ) -> list[Any]:
+        """Run a per-entry script over many entries: one EVALSHA per _WRITE_BATCH entries,
+        all in one pipeline (one round trip); one single-key script each on a cluster."""
+        step = 1 if self._single_key else _WRITE_BATCH
 
-        One EVALSHA per _RENEW_BATCH keys, the counters riding on the last one (so a failure
-        of an earlier call leaves them unsent, for the retry). Multi-key: a cluster variant
-        uses _write_side_effects_pipelined.
-        """
-        tail = [item for name, n in counters.items() for item in (name, int(n))]
-        batches = [keys[i : i + _RENEW_BATCH] for i in range(0, len(keys), _RENEW_BATCH)] or [[]]
+        def build(pipe: Any, first: bool) -> None:
+            for i in range(0, len(keys), step):
+                args = [*head, *(a for group in per_key[i : i + step] for a in group)]
+                self._script(name, keys[i : i + step], args, pipe)
+
+        replies = self._execute(build)
+        return [r for reply in replies for r in (reply if isinstance(reply, list) else [reply])]
+
+    def _write_side_effects(self, items: list[Any], counters: dict[str, int]) -> None:
+        """Background thread: slide the expiry of ``items`` ((bucket, field) pairs of lookup
+        hits) and add ``counters``, in one pipeline."""
+        now = time.time()
+        step = 1 if self._single_key else _WRITE_BATCH
+        head = [repr(now), repr(now + self.ttl_seconds), self._ttl_ms]
+
+        def build(pipe: Any, first: bool) -> None:
+            for i in range(0, len(items), step):
+                batch = items[i : i + step]
+                self._script("renew", [b for b, _ in batch], [*head, *(f for _, f in batch)], pipe)
+            if first:  # a retry after NOSCRIPT: the increments already went in
+                for name, n in counters.items():
+                    pipe.hincrby(self._counters_key, name, int(n))
+
         with self._errors():
-            for i, batch in enumerate(batches):
-                last = i == len(batches) - 1
-                args = [self._ttl_ms, *tail] if last else [self._ttl_ms]
-                self._side_effects(keys=[self._counters_key, *batch], args=args)
-
-    def _write_side_effects_pipelined(self, keys: list[str], counters: dict[str, int]) -> None:
-        """_write_side_effects with single-key commands only (Redis Cluster)."""
-        pipe = self._client.pipeline(transaction=False)
-        for key in keys:
-            pipe.pexpire(key, self._ttl_ms)
-        for name, n in counters.items():
-            pipe.hincrby(self._counters_key, name, int(n))
-        with self._errors():
-            pipe.execute()
+            self._execute(build)
 
     # -- keys and errors --------------------------------------------------------------------
 
-    def _entry_key(self, ns: str, fp: str) -> str:
+    def _legacy_key(self, ns: str, fp: str) -> str:
         return f"{self.prefix}:e:{_component(ns)}:{_component(fp)}"
 
-    def _entry_keys(self, ns: str, fps: list[str]) -> list[str]:
-        """_entry_key of every fp, fast when all are plain ASCII letters and digits (hex
-        fingerprints always are): those need no escaping, and quote() per fp would cost
-        ~1 µs each, a sizeable part of a 128-chunk lookup."""
-        head = f"{self.prefix}:e:{_component(ns)}:"
-        joined = "".join(fps)
-        if joined.isascii() and (not joined or joined.encode().isalnum()):
-            return [head + fp for fp in fps]
-        return [head + _component(fp) for fp in fps]
+    def _bucket_head(self, ns: str) -> str:
+        return f"{self.prefix}:h:{_component(ns)}:"
+
+    def _buckets(self, ns: str, fields: list[bytes]) -> list[str]:
+        """The bucket key of every field: the leading 32 bits of a hex fingerprint (uniform
+        already), a CRC of anything else."""
+        head = self._bucket_head(ns)
+        mask = self.buckets - 1
+        return [
+            f"{head}{(int.from_bytes(f[:4], 'big') if len(f) == 32 else zlib.crc32(f)) & mask:x}"
+            for f in fields
+        ]
 
     def _session_key(self, scope: str, session_id: str) -> str:
         return f"{self.prefix}:s:{_component(scope)}:{_component(session_id)}"
@@ -549,99 +582,155 @@ class RedisIndex(Index):
     # -- entries ----------------------------------------------------------------------------
 
     def register(self, ns: str, fp: str, entry: IndexEntry) -> bool:
-        key = self._entry_key(ns, fp)
-        with self._errors():
-            return bool(self._client.set(key, entry.pack(), nx=True, px=self._ttl_ms))
+        return self.register_many(ns, [(fp, entry)])[0]
 
     def register_many(self, ns: str, entries: Sequence[tuple[str, IndexEntry]]) -> list[bool]:
         entries = list(entries)
         if not entries:
             return []
-        # One non-transactional pipeline = one round trip; each SET NX stands alone (no
-        # MULTI), so it works key by key in a cluster too.
-        pipe = self._client.pipeline(transaction=False)
-        for key, (_, entry) in zip(
-            self._entry_keys(ns, [fp for fp, _ in entries]), entries, strict=True
-        ):
-            pipe.set(key, entry.pack(), nx=True, px=self._ttl_ms)
+        now = time.time()
+        fields = _fields([fp for fp, _ in entries])
+        expires_at = now + self.ttl_seconds
+        per_entry = [
+            [field, _pack_value(ns, entry, expires_at)]
+            for field, (_, entry) in zip(fields, entries, strict=True)
+        ]
         with self._errors():
-            replies = pipe.execute()
+            replies = self._run_batches(
+                "register", self._buckets(ns, fields), [repr(now), self._ttl_ms], per_entry
+            )
         return [bool(r) for r in replies]
 
     def lookup(
         self, ns: str, fps: Sequence[str], counters: Mapping[str, int] | None = None
     ) -> list[IndexEntry | None]:
         fps = list(fps)
+        return self._lookup(ns, fps, counters, walk=False)
+
+    def lookup_run(
+        self, ns: str, fps: Sequence[str], counters: Mapping[str, int] | None = None
+    ) -> list[IndexEntry]:
+        fps = list(fps)
+        found = self._lookup(ns, fps, counters, walk=True)
+        # Values the script returned but that do not decode end the run too.
+        run = next((i for i, e in enumerate(found) if e is None), len(found))
+        return found[:run]  # type: ignore[return-value]
+
+    def _lookup(
+        self, ns: str, fps: list[str], counters: Mapping[str, int] | None, walk: bool
+    ) -> list[IndexEntry | None]:
         if not fps:
             if counters:
                 self._deferred.submit((), counters)
             return []
-        keys = self._entry_keys(ns, fps)
+        fields = _fields(fps)
+        buckets = self._buckets(ns, fields)
         # The request path is this one round trip. The TTL renewal of the hits and the
         # counters go to the background thread, and only once the read succeeded: when it
         # raises, the caller still owns its counters (KVCloud puts them back for later).
         with self._errors():
-            raws = self._read_entries(keys)
-        if len(raws) != len(keys):
+            raws = self._read_entries(buckets, fields, walk)
+        if len(raws) > len(fps) or (not walk and len(raws) != len(fps)):
             raise IndexBackendError(
-                f"redis index {self.url}: {len(raws)} values for {len(keys)} keys"
+                f"redis index {self.url}: {len(raws)} values for {len(fps)} fingerprints"
             )
-        try:  # the hot path: comprehensions over a cached decode
-            found = [None if raw is None else _unpack_cached(raw) for raw in raws]
-        except Exception:  # some garbage value: decode one by one, logging it as a miss
-            found = [self._decode(ns, fp, raw) for fp, raw in zip(fps, raws, strict=True)]
-        # Only the hits are renewed: a miss has nothing to renew, and an undecodable value is
-        # left to expire.
-        hits = [key for key, entry in zip(keys, found, strict=True) if entry is not None]
-        if hits or counters:
-            self._deferred.submit(hits, counters)
+        found: list[IndexEntry | None] = []
+        renew: list[tuple[str, bytes]] = []
+        fresh = time.time() + self.ttl_seconds - self._renew_slack
+        for i, raw in enumerate(raws):
+            if raw is None:
+                found.append(None)
+                continue
+            try:
+                entry, expires_at = _unpack_value(ns, raw)
+            except Exception as exc:  # any garbage value: the index is only a hint
+                log.warning(
+                    "redis index: undecodable entry %s:%s treated as a miss: %s", ns, fps[i], exc
+                )
+                found.append(None)
+                continue
+            found.append(entry)
+            if expires_at < fresh:
+                renew.append((buckets[i], fields[i]))
+        if not walk:
+            found.extend([None] * (len(fps) - len(found)))
+        if renew or counters:
+            self._deferred.submit(renew, counters)
         return found
 
-    def _decode(self, ns: str, fp: str, raw: bytes | None) -> IndexEntry | None:
-        # Uncached: iter_entries streams every entry once, which would only flush the cache.
-        if raw is None:
-            return None
-        try:
-            return IndexEntry.unpack(raw)
-        except Exception as exc:  # any garbage value: the index is only a hint
-            log.warning("redis index: undecodable entry %s:%s treated as a miss: %s", ns, fp, exc)
-            return None
-
     def drop(self, ns: str, fp: str, object_key: str | None = None) -> bool:
-        key = self._entry_key(ns, fp)
+        field = _field(fp)
+        expected = b"" if object_key is None else _pack_key(ns, object_key)
+        (bucket,) = self._buckets(ns, [field])
         with self._errors():
+            if self._script("drop", [bucket], [repr(time.time()), field, expected]):
+                return True
+            # An entry of the layout before 0.13, until those have expired.
+            legacy = self._legacy_key(ns, fp)
             if object_key is None:
-                return bool(self._client.delete(key))
-            return bool(self._drop_if(keys=[key], args=[object_key]))
+                return bool(self._client.delete(legacy))
+            return bool(self._script("legacy_drop", [legacy], [object_key]))
+
+    def _patterns(self, ns: str | None) -> tuple[str, str]:
+        scope = "*" if ns is None else _glob_escape(_component(ns)) + ":*"
+        head = _glob_escape(self.prefix)
+        return f"{head}:h:{scope}", f"{head}:e:{scope}"
 
     def iter_entries(self, ns: str | None = None) -> Iterator[EntryRecord]:
-        scope = "*" if ns is None else _glob_escape(_component(ns)) + ":*"
-        pattern = f"{_glob_escape(self.prefix)}:e:{scope}"
+        buckets, legacy = self._patterns(ns)
+        seen: set[bytes] = set()  # SCAN may repeat a key while the table rehashes
         with self._errors():
-            for keys in _batched(self._scan(pattern), _SCAN_COUNT):
+            for keys in _batched(self._scan(buckets), _SCAN_COUNT):
+                keys = [k for k in keys if k not in seen]
+                seen.update(keys)
                 pipe = self._client.pipeline(transaction=False)
                 for key in keys:
-                    pipe.get(key)
-                    pipe.pttl(key)
-                replies = pipe.execute()
+                    pipe.hgetall(key)
                 now = time.time()
-                for i, key in enumerate(keys):
-                    raw, pttl = replies[2 * i], replies[2 * i + 1]
-                    parts = self._split_key(key, "e")
-                    if raw is None or parts is None:
-                        continue  # expired or deleted since SCAN saw it
-                    entry = self._decode(parts[0], parts[1], raw)
-                    if entry is None:
-                        continue
-                    expires_at = now + pttl / 1000 if pttl is not None and pttl >= 0 else None
-                    yield EntryRecord(ns=parts[0], fp=parts[1], entry=entry, expires_at=expires_at)
+                for key, fields in zip(keys, pipe.execute(), strict=True):
+                    parts = self._split_key(key, "h")
+                    if parts is None:
+                        continue  # not written by us
+                    for field, raw in fields.items():
+                        record = self._record(parts[0], field, raw, now)
+                        if record is not None:
+                            yield record
+            yield from self._iter_legacy(legacy)
+
+    def _record(self, ns: str, field: bytes, raw: bytes, now: float) -> EntryRecord | None:
+        try:
+            fp = _fp_of_field(field)
+            entry, expires_at = _unpack_value(ns, raw)
+        except Exception as exc:
+            log.warning("redis index: undecodable entry in %s skipped: %s", ns, exc)
+            return None
+        if expires_at <= now:
+            return None
+        return EntryRecord(ns=ns, fp=fp, entry=entry, expires_at=expires_at)
+
+    def _iter_legacy(self, pattern: str) -> Iterator[EntryRecord]:
+        for keys in _batched(self._scan(pattern), _SCAN_COUNT):
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.get(key)
+                pipe.pttl(key)
+            replies = pipe.execute()
+            now = time.time()
+            for i, key in enumerate(keys):
+                raw, pttl = replies[2 * i], replies[2 * i + 1]
+                parts = self._split_key(key, "e")
+                if raw is None or parts is None:
+                    continue  # expired or deleted since SCAN saw it
+                try:
+                    entry = IndexEntry.unpack(raw)
+                except Exception as exc:
+                    log.warning("redis index: undecodable entry %s skipped: %s", _text(key), exc)
+                    continue
+                expires_at = now + pttl / 1000 if pttl is not None and pttl >= 0 else None
+                yield EntryRecord(ns=parts[0], fp=parts[1], entry=entry, expires_at=expires_at)
 
     def count_entries(self, ns: str | None = None) -> int:
-        scope = "*" if ns is None else _glob_escape(_component(ns)) + ":*"
-        pattern = f"{_glob_escape(self.prefix)}:e:{scope}"
-        with self._errors():
-            # SCAN may repeat a key while the table rehashes; count each once.
-            return len(set(self._scan(pattern)))
+        return sum(1 for _ in self.iter_entries(ns))
 
     # -- sessions ---------------------------------------------------------------------------
 

@@ -14,12 +14,15 @@ import os
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 from ..errors import IndexBackendError, IndexUnavailableError
 from .base import DEFAULT_TTL_SECONDS, EntryRecord, Index, IndexEntry
+from .deferred import Deferred
 
 log = logging.getLogger("kvcloud.index")
 
@@ -81,6 +84,7 @@ class SQLiteIndex(Index):
         *,
         busy_timeout: float = 10.0,
         purge_interval: float = 300.0,
+        renew_delay: float = 0.05,
     ) -> None:
         super().__init__(ttl_seconds)
         if self.ttl_seconds <= 0:
@@ -92,6 +96,15 @@ class SQLiteIndex(Index):
         self._lock = threading.RLock()
         self._next_purge = 0.0  # monotonic; 0 purges on the first write
         self._conn: sqlite3.Connection | None = self._open()
+        # Lookups only read: the sliding-TTL renewals of their hits and their counters are
+        # written by a background thread, batched, so a request never waits for the write
+        # lock (which another process may hold for a whole registration).
+        self._renew_slack = min(self.ttl_seconds / 100, 60.0)
+        self._deferred = Deferred(
+            self._write_side_effects, f"kvcloud-sqlite-{Path(self.path).name}", delay=renew_delay
+        )
+        weakref.finalize(self, self._deferred.stop)
+        self._flush_timeout = self.busy_timeout + 1.0
 
     # -- connection and schema --------------------------------------------------------------
 
@@ -251,32 +264,48 @@ class SQLiteIndex(Index):
         self, ns: str, fps: Sequence[str], counters: Mapping[str, int] | None = None
     ) -> list[IndexEntry | None]:
         fps = list(fps)
-        if not fps and not counters:
+        if not fps:
+            if counters:
+                self._deferred.submit((), counters)
             return []
         unique = list(dict.fromkeys(fps))
         found: dict[str, IndexEntry] = {}
+        renew: list[tuple[str, str]] = []
         now = time.time()
-        # One transaction is SQLite's equivalent of a single round trip: the reads, the TTL
-        # renewals and the counter increments are seen and applied atomically.
-        with self._write() as conn:
+        fresh = now + self.ttl_seconds - self._renew_slack
+        with self._read() as conn:
             for part in _chunks(unique):
-                marks = _placeholders(len(part))
                 rows = conn.execute(
-                    "SELECT fp, object_key, n_tokens, size, created FROM entries "
-                    f"WHERE ns = ? AND fp IN ({marks}) AND expires_at > ?",
+                    "SELECT fp, object_key, n_tokens, size, created, expires_at FROM entries "
+                    f"WHERE ns = ? AND fp IN ({_placeholders(len(part))}) AND expires_at > ?",
                     (ns, *part, now),
                 )
-                for fp, object_key, n_tokens, size, created in rows:
+                for fp, object_key, n_tokens, size, created, expires_at in rows:
                     found[fp] = IndexEntry(object_key, int(n_tokens), int(size), float(created))
-                if found:
-                    conn.execute(
-                        "UPDATE entries SET expires_at = ? "
-                        f"WHERE ns = ? AND fp IN ({marks}) AND expires_at > ?",
-                        (now + self.ttl_seconds, ns, *part, now),
-                    )
+                    if expires_at < fresh:
+                        renew.append((ns, fp))
+        if renew or counters:
+            self._deferred.submit(renew, counters)
+        return [found.get(fp) for fp in fps]
+
+    def _write_side_effects(self, items: list[Any], counters: dict[str, int]) -> None:
+        """Background thread: slide the expiry of lookup hits ((ns, fp) pairs) that have
+        not expired meanwhile (a renewal never resurrects an entry), and add ``counters``."""
+        now = time.time()
+        new = now + self.ttl_seconds
+        with self._write() as conn:
+            conn.executemany(
+                "UPDATE entries SET expires_at = ? "
+                "WHERE ns = ? AND fp = ? AND expires_at > ? AND expires_at < ?",
+                [(new, ns, fp, now, new) for ns, fp in items],
+            )
             if counters:
                 self._add_counters(conn, counters)
-        return [found.get(fp) for fp in fps]
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the TTL renewals and counters of earlier lookups were written (or
+        failed); False if that took longer than ``timeout``."""
+        return self._deferred.flush(self._flush_timeout if timeout is None else timeout)
 
     def drop(self, ns: str, fp: str, object_key: str | None = None) -> bool:
         sql = "DELETE FROM entries WHERE ns = ? AND fp = ? AND expires_at > ?"
@@ -393,6 +422,8 @@ class SQLiteIndex(Index):
             self._add_counters(conn, counters)
 
     def counters(self) -> dict[str, int]:
+        # Read your own writes: increments given to lookup() may still be queued.
+        self._deferred.flush(self._flush_timeout)
         with self._read() as conn:
             return {name: int(v) for name, v in conn.execute("SELECT name, value FROM counters")}
 
@@ -404,6 +435,9 @@ class SQLiteIndex(Index):
         return max(time.perf_counter() - start, 1e-9)
 
     def close(self) -> None:
+        # Pending counters are written first, so a clean close never loses them.
+        if self._conn is not None:
+            self._deferred.close(self._flush_timeout)
         with self._lock:
             if self._conn is not None:
                 self._conn.close()

@@ -4,6 +4,7 @@ tests/contracts/test_indexes.py.)"""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import Path
 
@@ -54,21 +55,23 @@ def test_parse_startup_nodes() -> None:
     )
 
 
-def test_entry_keys_spread_over_every_master(redis_cluster: RedisClusterServers) -> None:
-    with RedisClusterIndex(redis_cluster.url) as idx:
-        n = 300
-        got = idx.register_many(
-            "ns", [(f"{i:064x}", IndexEntry(f"k{i}", 16, 1, 0.0)) for i in range(n)]
-        )
+def test_entry_buckets_spread_over_every_master(redis_cluster: RedisClusterServers) -> None:
+    # fingerprints are hashes: their leading bits, which pick the bucket, are uniform
+    fps = [hashlib.sha256(i.to_bytes(4, "big")).hexdigest() for i in range(305)]
+    n = 300
+    with RedisClusterIndex(redis_cluster.url + "?buckets=16") as idx:
+        got = idx.register_many("ns", [(fps[i], IndexEntry(f"k{i}", 16, 1, 0.0)) for i in range(n)])
         assert all(got)
-        per_node = redis_cluster.keys_per_node("kvc:e:*")
-        assert sum(per_node) == n
+        per_node = redis_cluster.keys_per_node("kvc:h:*")
+        assert sum(per_node) == 16  # every bucket got entries
         # no hash tag pins a namespace to one master: each holds about a third
-        assert min(per_node) > n // 6, per_node
+        assert min(per_node) >= 3, per_node
         assert idx.count_entries("ns") == n
-        found = idx.lookup("ns", [f"{i:064x}" for i in range(n + 5)])
+        found = idx.lookup("ns", fps)
         assert found[:n] == [IndexEntry(f"k{i}", 16, 1, 0.0) for i in range(n)]
         assert found[n:] == [None] * 5
+        # the request path stops at the first miss
+        assert idx.lookup_run("ns", fps[:10] + fps[n:] + fps[10:20]) == found[:10]
 
 
 def test_client_round_trip_through_the_cluster(
@@ -100,7 +103,7 @@ def test_client_round_trip_through_the_cluster(
         assert rec.kv_tokens == n
         restored = kv.pull_session(ns, rec, tenant="acme")
         assert same_bits(restored.array, arr)
-    per_node = redis_cluster.keys_per_node("kvc:e:*")
+    per_node = redis_cluster.keys_per_node("kvc:h:*")
     assert all(k > 0 for k in per_node), per_node
     reliability.note(
         masters=len(redis_cluster.nodes),
@@ -141,7 +144,8 @@ def test_a_master_killed_and_restarted_is_a_miss_then_recovers(
     servers = start_redis_cluster(tmp_path / "cluster")
     try:
         idx = RedisClusterIndex(servers.url, socket_connect_timeout=0.5, socket_timeout=0.5)
-        fps = [f"{i:064x}" for i in range(30)]
+        # hashes, as real fingerprints are: their buckets spread over every master
+        fps = [hashlib.sha256(i.to_bytes(4, "big")).hexdigest() for i in range(30)]
         idx.register_many("ns", [(fp, IndexEntry("k", 16, 1, 0.0)) for fp in fps])
         timings: dict[str, float] = {}
         for label, victims in (

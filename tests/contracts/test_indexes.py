@@ -72,11 +72,10 @@ class TestRedisIndexWithPrefix(TestRedisIndex):
 
 
 class PipelinedRedisIndex(RedisIndex):
-    """RedisIndex with single-key commands only, as a Redis Cluster variant must run (MGET and
-    the multi-key renewal script need every key in one slot; entry keys spread over slots)."""
+    """RedisIndex with single-key commands only, as a Redis Cluster variant must run (the
+    multi-key scripts need every key in one slot; buckets spread over slots)."""
 
-    _read_entries = RedisIndex._read_entries_pipelined
-    _write_side_effects = RedisIndex._write_side_effects_pipelined
+    _single_key = True
 
 
 @pytest.mark.integration

@@ -97,10 +97,12 @@ def test_eight_workers_push_the_same_prefixes_at_once(
     wrong = sum(1 for res in results for p, got in res if got != reference.tokens(p))
     assert wrong == 0
 
-    # entries: SCAN the index's keys directly
+    # entries: the namespace's buckets, read directly (HGETALL, not through the index)
     r = redis_py.Redis.from_url(redis_url)
     try:
-        entry_keys = {k.decode() for k in r.scan_iter(match=f"kvc:e:{ns}:*", count=1000)}
+        entry_keys = {
+            (k, f) for k in r.scan_iter(match=f"kvc:h:{ns}:*", count=1000) for f in r.hkeys(k)
+        }
     finally:
         r.close()
     # objects: ListObjectsV2 on the bucket, paginated

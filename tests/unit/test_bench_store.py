@@ -57,7 +57,7 @@ def _check_figures(r: dict[str, Any], chunks: int = 8) -> None:
     assert r["pull_array"]["baseline"] == r["pull"]["baseline"]
     lk = r["lookup"]
     assert lk["iters"] == 20
-    for name in ("kvcloud", "index_lookup", "ping"):
+    for name in ("kvcloud", "fingerprints", "index_lookup_run", "ping"):
         x = lk[name]
         assert 0 < x["min_ms"] <= x["p50_ms"] <= x["p99_ms"] and x["mean_ms"] > 0
     assert math.isclose(lk["ratio_p99"], lk["kvcloud"]["p99_ms"] / lk["ping"]["p99_ms"])
@@ -89,6 +89,21 @@ def test_embedded_backends(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
+def test_index_memory_figure(redis_url: str) -> None:
+    from kvcloud.bench import _index_memory_bench
+    from kvcloud.indexes import RedisIndex, SQLiteIndex
+
+    ns_id = f"memtest{uuid.uuid4().hex[:8]}"
+    with RedisIndex(redis_url) as index:
+        m = _index_memory_bench(index, ns_id, 1500)
+        assert m is not None and m["entries"] == 1500 and m["buckets"] == index.buckets
+        assert index.count_entries(ns_id) == 1500
+        assert m["bytes_per_entry"] == (m["used_memory_after"] - m["used_memory_before"]) / 1500
+        for rec in list(index.iter_entries(ns_id)):
+            index.drop(ns_id, rec.fp)
+    assert _index_memory_bench(SQLiteIndex(":memory:"), ns_id, 10) is None
+
+
 def test_moto_and_redis(moto_server: MotoServer, redis_url: str) -> None:
     prefix = f"t-{uuid.uuid4().hex[:12]}"
     store = (

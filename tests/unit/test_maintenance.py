@@ -377,9 +377,12 @@ def test_old_sha256_and_new_blake3_objects_in_one_store(env: Env) -> None:
 def test_gc_max_bytes_trims_least_recently_used_entries_first(env: Env) -> None:
     """--max-bytes drops the least-recently-used entries (lookups make entries recent), then
     deletes the objects that left unreferenced; session objects are never trimmed."""
-    with env.open() as kv:
+    # A hit is renewed once its expiry is a hundredth of the TTL old (at most a minute): with
+    # a 100 s TTL, lookups 1.5 s after the pushes renew their entries.
+    sep = "&" if "?" in env.index else "?"
+    with KVCloud.open(store=env.store, index=f"{env.index}{sep}ttl=100") as kv:
         p = populate(kv)
-        time.sleep(1.1)  # so renewals land on a later expiry than the pushes (Redis: ms)
+        time.sleep(1.5)
         for i in (1, 3):  # used recently
             assert kv.lookup(p.ns, p.prompts[i]).tokens == 32
         kv.index.counters()  # Redis sends TTL renewals in the background: flush them

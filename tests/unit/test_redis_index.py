@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import gc
+import hashlib
+import struct
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -17,7 +19,8 @@ import redis.connection
 
 from kvcloud.errors import ConfigError, IndexUnavailableError
 from kvcloud.indexes import IndexEntry, RedisIndex, open_index
-from kvcloud.indexes.redis import _Deferred
+from kvcloud.indexes.deferred import Deferred
+from kvcloud.indexes.redis import _field
 from tests.servers import RedisServer, free_port, start_redis
 
 pytestmark = pytest.mark.integration
@@ -101,6 +104,21 @@ def _delta(before: dict[str, int], after: dict[str, int], command: str) -> int:
     return after.get(f"cmdstat_{command}", 0) - before.get(f"cmdstat_{command}", 0)
 
 
+def _bucket(idx: RedisIndex, ns: str, fp_hex: str) -> str:
+    return idx._buckets(ns, [_field(fp_hex)])[0]
+
+
+def _expires_at(client: redis.Redis, idx: RedisIndex, ns: str, fp_hex: str) -> float | None:
+    """The expiry stored in an entry's value (None when the field is absent)."""
+    raw = client.hget(_bucket(idx, ns, fp_hex), _field(fp_hex))
+    return None if raw is None else struct.unpack_from("<d", raw, 1)[0]
+
+
+def hfp(i: int) -> str:
+    """A fingerprint as real ones are: a hash, so its leading bits (the bucket) are uniform."""
+    return hashlib.sha256(i.to_bytes(8, "big")).hexdigest()
+
+
 @pytest.mark.parametrize("n", [1, 128, 1000])
 def test_lookup_request_path_is_one_round_trip(
     redis_url: str, monkeypatch: pytest.MonkeyPatch, n: int
@@ -108,94 +126,219 @@ def test_lookup_request_path_is_one_round_trip(
     # A long renew_delay: the background batch cannot go out while we count.
     idx = RedisIndex(redis_url, ttl_seconds=100, renew_delay=30)
     present = list(range(0, n, 2))
-    assert idx.register_many(NS, [(fp(i), entry(i)) for i in present]) == [True] * len(present)
+    # registered with a short TTL, so the lookup's hits are due for renewal
+    with RedisIndex(redis_url, ttl_seconds=5) as short:
+        assert short.register_many(NS, [(hfp(i), entry(i)) for i in present]) == [True] * len(
+            present
+        )
     client = redis.Redis.from_url(redis_url)
-    for i in present:
-        client.pexpire(f"kvc:e:{NS}:{fp(i)}", 5000)
     idx.ping()  # the connection exists (and its handshake is done) before we count
     before = _commandstats(redis_url)
 
     trips = RoundTrips(monkeypatch)
-    got = idx.lookup(NS, [fp(i) for i in range(n)], counters={"hits": 64, "misses": 64})
+    got = idx.lookup(NS, [hfp(i) for i in range(n)], counters={"hits": 64, "misses": 64})
     monkeypatch.undo()
 
     assert got == [entry(i) if i % 2 == 0 else None for i in range(n)]
-    # the calling thread: one command (MGET), written once, one reply read, no pipeline
-    assert trips.commands == ["MGET"]
+    # the calling thread: one command (the lookup script), written once, one reply read
+    assert trips.commands == ["EVALSHA"]
     assert trips.pipelines == []
     assert trips.events == ["send", "read"]
     assert trips.other_threads == 0  # nothing in the background yet either
     middle = _commandstats(redis_url)
-    assert _delta(before, middle, "mget") == 1
-    assert _delta(before, middle, "getex") == _delta(before, middle, "pexpire") == 0
-    assert _delta(before, middle, "hincrby") == 0
+    assert _delta(before, middle, "evalsha") == 1
+    assert _delta(before, middle, "hget") == n  # inside the script
+    assert _delta(before, middle, "hset") == _delta(before, middle, "hincrby") == 0
 
     # the side effects follow in the background: renewal of every hit (only), the counters
+    start = time.time()
     assert idx.flush(5.0)
     after = _commandstats(redis_url)
-    assert _delta(middle, after, "pexpire") == len(present)
+    assert _delta(middle, after, "hset") == len(present)
     assert _delta(middle, after, "hincrby") == 2
-    assert _delta(middle, after, "mget") == 0
-    assert all(client.pttl(f"kvc:e:{NS}:{fp(i)}") > 99_000 for i in present)
-    assert client.exists(*[f"kvc:e:{NS}:{fp(i)}" for i in range(1, n, 2)] or ["none"]) == 0
+    for i in present:
+        assert (_expires_at(client, idx, NS, hfp(i)) or 0) >= start + 99
+    assert all(_expires_at(client, idx, NS, hfp(i)) is None for i in range(1, n, 2))
     assert idx.counters() == {"hits": 64, "misses": 64}
     client.close()
     idx.close()
 
 
-def test_register_many_is_one_round_trip(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    idx = RedisIndex(redis_url)
-    assert idx.register(NS, fp(0), entry(0))
+def test_lookup_run_stops_at_the_first_miss(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    idx = RedisIndex(redis_url, renew_delay=30)
+    chain = [hfp(i) for i in range(128)]
+    gone = 40
+    registered = [(fp_hex, entry(i)) for i, fp_hex in enumerate(chain) if i != gone]
+    assert all(idx.register_many(NS, registered))
     idx.ping()
     before = _commandstats(redis_url)
     trips = RoundTrips(monkeypatch)
-    got = idx.register_many(NS, [(fp(i), entry(i)) for i in range(128)])
+    run = idx.lookup_run(NS, chain)
     monkeypatch.undo()
-    assert got == [False] + [True] * 127
-    # one pipeline of 128 SET NX, written once, then 128 replies read
-    assert trips.pipelines == [128]
+    assert run == [entry(i) for i in range(gone)]  # what follows the miss is never read
+    assert trips.commands == ["EVALSHA"] and trips.events == ["send", "read"]
+    assert _delta(before, _commandstats(redis_url), "hget") == gone + 1
+    # the generic lookup still answers every position
+    assert idx.lookup(NS, chain)[gone - 1 : gone + 2] == [entry(gone - 1), None, entry(gone + 1)]
+    assert idx.lookup_run(NS, []) == []
+    idx.close()
+
+
+def test_fresh_hits_are_not_renewed(redis_url: str) -> None:
+    # Renewing every lookup of a hot prefix would cost a write per lookup: a hit whose expiry
+    # is within a hundredth of the TTL (at most a minute) of a fresh one is left alone.
+    idx = RedisIndex(redis_url, ttl_seconds=1000, renew_delay=0)
+    idx.register(NS, hfp(1), entry(1))
+    before = _commandstats(redis_url)
+    for _ in range(5):
+        assert idx.lookup_run(NS, [hfp(1)]) == [entry(1)]
+    assert idx.flush(5.0)
+    assert _delta(before, _commandstats(redis_url), "hset") == 0
+    idx.close()
+
+
+def test_register_many_is_one_round_trip(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    idx = RedisIndex(redis_url)
+    assert idx.register(NS, hfp(0), entry(0))
+    idx.ping()
+    before = _commandstats(redis_url)
+    trips = RoundTrips(monkeypatch)
+    got = idx.register_many(NS, [(hfp(i), entry(i)) for i in range(1000)])
+    monkeypatch.undo()
+    assert got == [False] + [True] * 999
+    # one pipeline of two scripts (512 entries each at most), written once, two replies read
+    assert trips.pipelines == [2]
     assert trips.commands == []
-    assert trips.events == ["send"] + ["read"] * 128
+    assert trips.events == ["send", "read", "read"]
     after = _commandstats(redis_url)
-    assert _delta(before, after, "set") == 128
+    assert _delta(before, after, "evalsha") == 2
+    assert _delta(before, after, "hset") == 999
     assert _delta(before, after, "multi") == 0  # not a transaction: cluster-friendly
+    idx.close()
+
+
+def test_scripts_lost_by_the_server_are_loaded_again(redis_url: str) -> None:
+    idx = RedisIndex(redis_url, ttl_seconds=100, renew_delay=0)
+    with RedisIndex(redis_url, ttl_seconds=5) as short:
+        short.register(NS, hfp(1), entry(1))
+    client = redis.Redis.from_url(redis_url)
+    client.script_flush()  # what a restart does
+    assert idx.register(NS, hfp(2), entry(2)) is True
+    client.script_flush()
+    start = time.time()
+    assert idx.lookup(NS, [hfp(1), hfp(2)], counters={"hits": 2}) == [entry(1), entry(2)]
+    client.script_flush()
+    assert idx.flush(5.0)
+    assert (_expires_at(client, idx, NS, hfp(1)) or 0) >= start + 99  # renewed after a reload
+    assert idx.counters() == {"hits": 2}  # counted once, not once per attempt
+    client.close()
     idx.close()
 
 
 def test_background_renewal_slides_the_ttl_of_hits_only(redis_url: str) -> None:
     idx = RedisIndex(redis_url, ttl_seconds=100)  # the default renew_delay
     client = redis.Redis.from_url(redis_url)
-    idx.register(NS, fp(1), entry(1))
-    key = f"kvc:e:{NS}:{fp(1)}"
-    client.pexpire(key, 5000)
-    start = time.monotonic()
-    assert idx.lookup(NS, [fp(1), fp(2)]) == [entry(1), None]
+    with RedisIndex(redis_url, ttl_seconds=5) as short:
+        short.register(NS, hfp(1), entry(1))
+    start = time.time()
+    assert idx.lookup(NS, [hfp(1), hfp(2)]) == [entry(1), None]
     # No flush: the thread sends on its own, well under a second later.
-    deadline = start + 2.0
-    while client.pttl(key) <= 5000 and time.monotonic() < deadline:
+    deadline = time.monotonic() + 2.0
+    while (_expires_at(client, idx, NS, hfp(1)) or 0) < start + 99:
+        assert time.monotonic() < deadline, "not renewed"
         time.sleep(0.005)
-    renewed_after = time.monotonic() - start
-    assert 99_000 < client.pttl(key) <= 100_000
-    assert renewed_after < 0.5
-    assert client.exists(f"kvc:e:{NS}:{fp(2)}") == 0  # a miss creates nothing
+    assert time.time() - start < 0.5
+    assert (_expires_at(client, idx, NS, hfp(1)) or 0) <= time.time() + 100
+    assert client.pttl(_bucket(idx, NS, hfp(1))) > 99_000  # the bucket outlives its entries
+    assert _expires_at(client, idx, NS, hfp(2)) is None  # a miss creates nothing
     client.close()
     idx.close()
 
 
 def test_late_renewal_does_not_resurrect_a_deleted_entry(redis_url: str) -> None:
     idx = RedisIndex(redis_url, ttl_seconds=100, renew_delay=30)
-    idx.register(NS, fp(1), entry(1))
-    idx.register(NS, fp(2), entry(2))
-    assert idx.lookup(NS, [fp(1), fp(2)]) == [entry(1), entry(2)]
+    with RedisIndex(redis_url, ttl_seconds=5) as short:
+        short.register(NS, hfp(1), entry(1))
+        short.register(NS, hfp(2), entry(2))
+    assert idx.lookup(NS, [hfp(1), hfp(2)]) == [entry(1), entry(2)]
     # Deleted while the renewals are still queued: by drop (gc's path) and behind our back.
-    assert idx.drop(NS, fp(1), object_key=entry(1).object_key)
+    assert idx.drop(NS, hfp(1), object_key=entry(1).object_key)
     client = redis.Redis.from_url(redis_url)
-    assert client.delete(f"kvc:e:{NS}:{fp(2)}") == 1
+    assert client.hdel(_bucket(idx, NS, hfp(2)), _field(hfp(2))) == 1
     assert idx.flush(5.0)
-    assert client.exists(f"kvc:e:{NS}:{fp(1)}", f"kvc:e:{NS}:{fp(2)}") == 0
-    assert idx.lookup(NS, [fp(1), fp(2)]) == [None, None]
+    assert _expires_at(client, idx, NS, hfp(1)) is None
+    assert _expires_at(client, idx, NS, hfp(2)) is None
+    assert idx.lookup(NS, [hfp(1), hfp(2)]) == [None, None]
     client.close()
     idx.close()
+
+
+def test_expired_fields_are_swept_from_a_busy_bucket(redis_url: str) -> None:
+    # Redis 7.0 cannot expire a hash field; a bucket that keeps receiving entries would keep
+    # its dead ones forever unless registrations sweep them.
+    client = redis.Redis.from_url(redis_url)
+    with RedisIndex(redis_url + "?buckets=1") as idx:
+        assert idx.register(NS, hfp(1000), entry(1000))  # keeps the bucket alive
+    with RedisIndex(redis_url + "?buckets=1", ttl_seconds=1) as short:
+        short.register_many(NS, [(hfp(i), entry(i)) for i in range(20)])
+    time.sleep(1.1)
+    with RedisIndex(redis_url + "?buckets=1") as idx:
+        (bucket,) = idx._buckets(NS, [_field(hfp(0))])
+        assert client.hlen(bucket) == 21
+        assert idx.lookup(NS, [hfp(0)]) == [None]  # expired: invisible at once
+        assert idx.count_entries(NS) == 1
+        idx.register_many(NS, [(hfp(100 + i), entry(i)) for i in range(11)])  # 32nd field
+        assert client.hlen(bucket) == 12
+        assert idx.count_entries(NS) == 12
+    client.close()
+
+
+def test_standard_entries_stay_in_compact_listpacks(redis_url: str) -> None:
+    # The memory figure in OPERATIONS.md depends on it: a field of at most 64 bytes and a
+    # value of at most 64 keep the hash a listpack.
+    from kvcloud.segment import object_key
+
+    client = redis.Redis.from_url(redis_url)
+    ns = "n" * 32
+    digests = [hfp(10_000 + i) for i in range(100)]
+    entries = [
+        (hfp(i), IndexEntry(object_key(ns, d + (".b3" if i % 2 else "")), 256, 2**35, time.time()))
+        for i, d in enumerate(digests)
+    ]
+    with RedisIndex(redis_url + "?buckets=1") as idx:
+        assert all(idx.register_many(ns, entries))
+        (bucket,) = idx._buckets(ns, [_field(hfp(0))])
+        assert client.object("encoding", bucket) == b"listpack"
+        assert max(len(v) for v in client.hvals(bucket)) <= 62
+        assert idx.lookup(ns, [fp_hex for fp_hex, _ in entries]) == [e for _, e in entries]
+        # a key that is not in the standard form round-trips too (stored as text)
+        odd = IndexEntry(f"{ns}/zz/not-a-digest", 1, 2, 3.5)
+        assert idx.register(ns, hfp(999), odd)
+        assert idx.lookup(ns, [hfp(999)]) == [odd]
+    client.close()
+
+
+def test_entries_of_the_previous_layout_stay_visible_to_maintenance(redis_url: str) -> None:
+    # Releases before 0.13 wrote a string key per entry; after an upgrade gc, verify and
+    # stats must still see them (else gc would take their objects for orphans) until they
+    # expire, and drop must remove them.
+    import msgpack
+
+    client = redis.Redis.from_url(redis_url)
+    old = IndexEntry("segments/old", 16, 10, 1.0)
+    key = f"kvc:e:{NS}:{hfp(1)}"
+    client.set(key, msgpack.packb(["segments/old", 16, 10, 1.0]), px=50_000)
+    with RedisIndex(redis_url) as idx:
+        idx.register(NS, hfp(2), entry(2))
+        records = {r.fp: r for r in idx.iter_entries(NS)}
+        assert records[hfp(1)].entry == old and records[hfp(2)].entry == entry(2)
+        assert idx.count_entries() == 2
+        assert idx.drop(NS, hfp(1), object_key="segments/other") is False
+        assert idx.drop(NS, hfp(1), object_key="segments/old") is True
+        assert client.exists(key) == 0
+    client.close()
 
 
 def test_close_sends_pending_counters(redis_url: str) -> None:
@@ -252,14 +395,14 @@ def test_unclosed_index_is_collected_and_its_thread_exits(redis_url: str) -> Non
 
 
 def test_deferred_drops_when_full_and_never_raises(caplog: pytest.LogCaptureFixture) -> None:
-    sent: list[tuple[list[str], dict[str, int]]] = []
+    sent: list[tuple[list[Hashable], dict[str, int]]] = []
 
     class Sink:
-        def send(self, keys: list[str], counters: dict[str, int]) -> None:
+        def send(self, keys: list[Hashable], counters: dict[str, int]) -> None:
             sent.append((keys, counters))
 
     sink = Sink()
-    deferred = _Deferred(sink.send, "test-deferred", delay=60, max_keys=4)
+    deferred = Deferred(sink.send, "test-deferred", delay=60, max_keys=4)
     deferred.submit(["a", "b", "a"], {"n": 1})
     deferred.submit(["c", "d"], {"n": 2})  # would exceed max_keys: dropped, counters kept
     deferred.submit([], None)  # nothing at all
@@ -271,11 +414,11 @@ def test_deferred_drops_when_full_and_never_raises(caplog: pytest.LogCaptureFixt
     assert sent[-1] == (["e"], {})
 
     class Broken:
-        def send(self, keys: list[str], counters: dict[str, int]) -> None:
+        def send(self, keys: list[Hashable], counters: dict[str, int]) -> None:
             raise RuntimeError("boom")
 
     broken = Broken()
-    deferred = _Deferred(broken.send, "test-broken", delay=0)
+    deferred = Deferred(broken.send, "test-broken", delay=0)
     deferred.submit(["x"], {"n": 1})  # the failure is logged by the thread, never raised
     assert deferred.flush(5.0)
     deferred.close(5.0)
@@ -283,18 +426,18 @@ def test_deferred_drops_when_full_and_never_raises(caplog: pytest.LogCaptureFixt
 
 def test_cluster_fallback_is_single_key_commands(redis_url: str) -> None:
     class Pipelined(RedisIndex):
-        _read_entries = RedisIndex._read_entries_pipelined
-        _write_side_effects = RedisIndex._write_side_effects_pipelined
+        _single_key = True
 
     idx = Pipelined(redis_url, ttl_seconds=100)
-    idx.register(NS, fp(1), entry(1))
+    with RedisIndex(redis_url, ttl_seconds=5) as short:
+        short.register(NS, hfp(1), entry(1))
     before = _commandstats(redis_url)
-    assert idx.lookup(NS, [fp(1), fp(2)], counters={"hits": 1}) == [entry(1), None]
+    assert idx.lookup(NS, [hfp(1), hfp(2)], counters={"hits": 1}) == [entry(1), None]
     assert idx.flush(5.0)
     after = _commandstats(redis_url)
-    assert _delta(before, after, "get") == 2
-    assert _delta(before, after, "pexpire") == 1
-    assert _delta(before, after, "mget") == _delta(before, after, "evalsha") == 0
+    assert _delta(before, after, "hget") == 3  # two lookups, one inside the renewal
+    assert _delta(before, after, "eval") == 1  # the renewal, one key
+    assert _delta(before, after, "evalsha") == 0
     assert idx.counters() == {"hits": 1}
     idx.close()
 
@@ -307,7 +450,8 @@ def test_key_schema_has_no_hash_tags(redis_url: str) -> None:
     client = redis.Redis.from_url(redis_url)
     keys = sorted(k.decode() for k in client.keys("*"))
     client.close()
-    assert keys == ["kvc:counters", f"kvc:e:{NS}:{fp(1)}", "kvc:s:tenant%3Aa:s%3A1"]
+    assert keys == ["kvc:counters", _bucket(idx, NS, fp(1)), "kvc:s:tenant%3Aa:s%3A1"]
+    assert _bucket(idx, NS, fp(1)).startswith(f"kvc:h:{NS}:")
     assert not any("{" in k for k in keys)
     idx.close()
 
@@ -315,11 +459,21 @@ def test_key_schema_has_no_hash_tags(redis_url: str) -> None:
 def test_undecodable_entry_is_a_miss(redis_url: str) -> None:
     idx = RedisIndex(redis_url)
     client = redis.Redis.from_url(redis_url)
-    client.set(f"kvc:e:{NS}:{fp(1)}", b"\xc1 not msgpack")
+    client.hset(_bucket(idx, NS, fp(1)), _field(fp(1)), b"\xc1 not an entry")
     client.close()
     assert idx.lookup(NS, [fp(1)]) == [None]
+    assert idx.lookup_run(NS, [fp(1)]) == []
     assert idx.drop(NS, fp(1), object_key="segments/1") is False
+    assert idx.register(NS, fp(1), entry(1)) is True  # garbage counts as absent
+    assert idx.lookup(NS, [fp(1)]) == [entry(1)]
     idx.close()
+
+
+def test_bad_bucket_counts_are_config_errors() -> None:
+    for value in ("0", "3", "-4", "x", str(1 << 25)):
+        with pytest.raises(ConfigError, match="buckets"):
+            RedisIndex(f"redis://127.0.0.1:1/0?buckets={value}")
+    assert RedisIndex("redis://127.0.0.1:1/0?buckets=65536").buckets == 65536
 
 
 # -- failures -----------------------------------------------------------------------------------
