@@ -193,3 +193,28 @@ def test_register_many_is_all_or_nothing(tmp_path: Path) -> None:
             idx.register_many("ns", [(fp(1), entry(1, 0)), (fp(2), bad)])
         assert idx.lookup("ns", [fp(1), fp(2)]) == [None, None]
         assert idx.register_many("ns", [(fp(1), entry(1, 0))]) == [True]
+
+
+def test_lookup_never_waits_for_the_write_lock(tmp_path: Path) -> None:
+    # A registration in another process holds the write lock for a while; a lookup must not
+    # queue behind it (its TTL renewals and counters are written later, in the background).
+    path = tmp_path / "index.db"
+    entry = IndexEntry("ns/ab/" + "ab" * 32, 16, 1, 1.0)
+    with SQLiteIndex(path, ttl_seconds=100) as short:
+        short.register("ns", "f" * 64, entry)
+    idx = SQLiteIndex(path, ttl_seconds=10_000, busy_timeout=5.0)
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # what a writer holds while it commits
+    try:
+        start = time.monotonic()
+        assert idx.lookup("ns", ["f" * 64, "0" * 64], counters={"hits": 1}) == [entry, None]
+        assert idx.lookup_run("ns", ["f" * 64, "0" * 64, "f" * 64]) == [entry]
+        assert time.monotonic() - start < 1.0  # not the 5 s busy timeout
+    finally:
+        holder.execute("COMMIT")
+        holder.close()
+    # once the lock is free the background writes land: the hit slid, the counter counted
+    assert idx.counters() == {"hits": 1}
+    (record,) = list(idx.iter_entries("ns"))
+    assert record.expires_at is not None and record.expires_at > time.time() + 9_000
+    idx.close()
