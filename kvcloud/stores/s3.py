@@ -19,7 +19,7 @@ from urllib.parse import urlencode, urlsplit
 
 from ..errors import ConfigError, ObjectNotFoundError, StoreError, StoreUnavailableError
 from ..urls import env_bool, redact_url, split_url
-from .base import Buffer, ObjectInfo, ObjectStore, validate_key
+from .base import Buffer, BufferParts, ObjectInfo, ObjectStore, join_parts, validate_key
 
 if TYPE_CHECKING:
     from botocore.config import Config as BotocoreConfig
@@ -402,10 +402,11 @@ class S3Store(ObjectStore):
 
     # -- ObjectStore ----------------------------------------------------------------------------
 
-    def put(self, key: str, data: Buffer) -> bool:
+    def put(self, key: str, data: Buffer | BufferParts) -> bool:
         from botocore.exceptions import BotoCoreError, ClientError
 
         s3_key = self._s3_key(key)
+        data = join_parts(data)
         # a file-like view: no copy of the object before it goes on the wire
         body = data if isinstance(data, bytes) else _BufferBody(data)
         kwargs: dict[str, Any] = {"Bucket": self.config.bucket, "Key": s3_key, "Body": body}
