@@ -47,7 +47,13 @@ from .namespace import (
     tail_fingerprint,
     tokens_array,
 )
-from .segment import decode_segment, digest_from_key, encode_segment, read_segment_into
+from .segment import (
+    decode_segment,
+    digest_from_key,
+    encode_segment,
+    encode_segment_parts,
+    read_segment_into,
+)
 from .sessions import SessionRecord, pack_record, unpack_record
 from .stores.base import ObjectStore
 
@@ -312,10 +318,11 @@ class KVCloud(Closing):
 
         def store_one(i: int) -> tuple[int, str, bool, IndexEntry]:
             fp, parent, kv = chunks[i]
-            seg = encode_segment(ns, fp, parent, kv, codec=codec, key=key, version=version)
+            # the object as parts: a raw chunk goes to the store without being copied
+            seg = encode_segment_parts(ns, fp, parent, kv, codec=codec, key=key, version=version)
             okey = seg.key()
-            created = self._put_or_revive(okey, seg.data)
-            return i, okey, created, IndexEntry(okey, seg.header.n_tokens, len(seg.data), 0.0)
+            created = self._put_or_revive(okey, seg.parts)
+            return i, okey, created, IndexEntry(okey, seg.header.n_tokens, seg.size, 0.0)
 
         errors: list[BaseException] = []
         if len(todo) == 1:
@@ -350,8 +357,10 @@ class KVCloud(Closing):
             # deletes within one round trip of its last check): make sure it is still there
             if not created and self.store.head(okey) is None:
                 fp, parent, kv = chunks[i]
-                seg = encode_segment(ns, fp, parent, kv, codec=codec, key=key, version=version)
-                self.store.put(okey, seg.data)
+                seg = encode_segment_parts(
+                    ns, fp, parent, kv, codec=codec, key=key, version=version
+                )
+                self.store.put(okey, seg.parts)
         for i, key, created, entry in stored:
             result.keys[i] = key
             result.pushed += 1

@@ -338,6 +338,85 @@ def encode_segment(
     return EncodedSegment(digest=digest, data=data, header=_parse_header(header))
 
 
+@dataclass(frozen=True)
+class SegmentParts:
+    """An encoded object as the buffers that make it up, in order, not joined: the bytes
+    ``b"".join(parts)`` are exactly what encode_segment returns for the same arguments.
+    The parts may be views of the caller's KV array, which must not change until the
+    object is stored."""
+
+    digest: str
+    parts: tuple[bytes | bytearray | memoryview, ...]
+    header: SegmentHeader
+    size: int
+
+    def key(self) -> str:
+        return object_key(self.header.ns, self.digest)
+
+
+def encode_segment_parts(
+    ns: Namespace,
+    fp: bytes,
+    parent: bytes,
+    kv: np.ndarray,
+    codec: str = "raw",
+    level: int | None = None,
+    *,
+    key: TenantKey | None = None,
+    version: int = SEGMENT_VERSION,
+) -> SegmentParts:
+    """encode_segment for a store that can write scattered buffers (``file://``'s writev).
+
+    A raw, unencrypted chunk is not copied at all: the header is hashed and stored next to
+    views of the KV itself (one per [layer, K|V] block when the chunk is strided). Copying
+    3 MiB into a fresh object buffer costs page faults and a pass over memory that the
+    write to the page cache repeats anyway. Every other codec, and encryption, goes
+    through encode_segment (they produce a new buffer in any case).
+    """
+    if codec != "raw" or key is not None:
+        seg = encode_segment(ns, fp, parent, kv, codec, level, key=key, version=version)
+        return SegmentParts(seg.digest, (seg.data,), seg.header, len(seg.data))
+    if version not in DIGEST_ALGS:
+        raise ConfigError(f"segment format version {version} is not supported")
+    if ns.quant:
+        raise ConfigError(
+            f"codec 'raw' in namespace with KV codec {ns.quant!r}: a lossy "
+            "codec is used exactly in the namespaces that name it"
+        )
+    if len(fp) != FP_BYTES or len(parent) != FP_BYTES:
+        raise LayoutError("fingerprints must be 32 bytes")
+    kv = ns.check_array(kv)
+    n_tokens = kv.shape[2]
+    if not 0 < n_tokens <= ns.chunk_tokens:
+        raise LayoutError(f"a segment holds 1..{ns.chunk_tokens} tokens, got {n_tokens}")
+    raw_len = n_tokens * ns.bytes_per_token
+    header: dict[str, Any] = {
+        "v": version,
+        "ns": ns.id,
+        "fp": bytes(fp),
+        "parent": bytes(parent),
+        "n": n_tokens,
+        "layout": list(ns.layout),
+        "dtype": ns.dtype,
+        "codec": "raw",
+        "raw_len": raw_len,
+        "payload_len": raw_len,
+        "enc": {"alg": "none"},
+    }
+    hbytes = _pack_header(header)
+    head = _PREFIX.pack(MAGIC, len(hbytes)) + hbytes
+    parts: list[bytes | memoryview] = [head, *_plain_parts(kv)]
+    alg = DIGEST_ALGS[version]
+    # one object is hashed on one thread: pushes run several objects in parallel
+    h = _hasher(alg)
+    for part in parts:
+        h.update(part)
+    size = len(head) + raw_len
+    return SegmentParts(
+        _digest_string(alg, h.hexdigest()), tuple(parts), _parse_header(header), size
+    )
+
+
 # --- decoding --------------------------------------------------------------------------------
 
 

@@ -17,6 +17,19 @@ from .._closing import Closing
 from ..errors import StoreError
 
 Buffer = bytes | bytearray | memoryview
+#: an object given as the buffers that make it up, in order; ``put`` stores their
+#: concatenation, and a store that can write scattered buffers never joins them
+BufferParts = tuple[Buffer, ...] | list[Buffer]
+
+
+def join_parts(data: Buffer | BufferParts) -> Buffer:
+    """The object's bytes as one buffer (no copy when it already is one, or one part)."""
+    if not isinstance(data, tuple | list):
+        return data
+    if len(data) == 1:
+        return data[0]
+    return b"".join(data)
+
 
 _KEY_RE = re.compile(r"^[0-9A-Za-z_.-]+(/[0-9A-Za-z_.-]+)*$")
 
@@ -63,8 +76,9 @@ class ObjectStore(Closing, ABC):
     # -- required ---------------------------------------------------------------------------
 
     @abstractmethod
-    def put(self, key: str, data: Buffer) -> bool:
-        """Store ``data`` under ``key`` if absent. True if written now, False if it existed."""
+    def put(self, key: str, data: Buffer | BufferParts) -> bool:
+        """Store ``data`` (one buffer, or a tuple or list of buffers to concatenate) under
+        ``key`` if absent. True if written now, False if it existed."""
 
     @abstractmethod
     def get(self, key: str) -> bytes:
@@ -132,7 +146,9 @@ class ObjectStore(Closing, ABC):
             return [self._get_or_error(k) for k in keys]
         return list(self.executor.map(self._get_or_error, keys))
 
-    def put_many(self, items: Sequence[tuple[str, Buffer]]) -> list[bool | BaseException]:
+    def put_many(
+        self, items: Sequence[tuple[str, Buffer | BufferParts]]
+    ) -> list[bool | BaseException]:
         """Store in parallel; results in order, a failure is returned, not raised."""
         if len(items) <= 1:
             return [self._put_or_error(kv) for kv in items]
@@ -144,7 +160,7 @@ class ObjectStore(Closing, ABC):
         except Exception as exc:  # handed back to the caller, which decides per key
             return exc
 
-    def _put_or_error(self, item: tuple[str, Buffer]) -> bool | BaseException:
+    def _put_or_error(self, item: tuple[str, Buffer | BufferParts]) -> bool | BaseException:
         try:
             return self.put(item[0], item[1])
         except Exception as exc:

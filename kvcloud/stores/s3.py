@@ -8,6 +8,7 @@ travel in the store URL, so the URL can be logged as is.
 
 from __future__ import annotations
 
+import http.client
 import io
 import os
 import threading
@@ -19,7 +20,7 @@ from urllib.parse import urlencode, urlsplit
 
 from ..errors import ConfigError, ObjectNotFoundError, StoreError, StoreUnavailableError
 from ..urls import env_bool, redact_url, split_url
-from .base import Buffer, ObjectInfo, ObjectStore, validate_key
+from .base import Buffer, BufferParts, ObjectInfo, ObjectStore, join_parts, validate_key
 
 if TYPE_CHECKING:
     from botocore.config import Config as BotocoreConfig
@@ -402,10 +403,11 @@ class S3Store(ObjectStore):
 
     # -- ObjectStore ----------------------------------------------------------------------------
 
-    def put(self, key: str, data: Buffer) -> bool:
+    def put(self, key: str, data: Buffer | BufferParts) -> bool:
         from botocore.exceptions import BotoCoreError, ClientError
 
         s3_key = self._s3_key(key)
+        data = join_parts(data)
         # a file-like view: no copy of the object before it goes on the wire
         body = data if isinstance(data, bytes) else _BufferBody(data)
         kwargs: dict[str, Any] = {"Bucket": self.config.bucket, "Key": s3_key, "Body": body}
@@ -578,12 +580,21 @@ class _BufferBody(io.RawIOBase):
 
 class _BodyReader:
     """A GET body as a stream; transport failures mid-read become StoreUnavailableError, and
-    the connection goes back to the pool when the block ends."""
+    the connection goes back to the pool when the block ends.
+
+    When the body is a plain (not chunked, not content-encoded) HTTP response, reads go
+    straight to the socket: urllib3's ``readinto`` reads into a temporary bytes object and
+    copies it into the caller's buffer, which costs as much memory traffic as hashing the
+    object; ``http.client``'s lands the bytes in place. A transfer that ends before its
+    Content-Length is then reported as a broken transfer, exactly as urllib3 would.
+    """
 
     def __init__(self, body: Any, store: S3Store, key: str) -> None:
         self._body = body
         self._store = store
         self._key = key
+        self._raw, self._sock = _socket_response(body)
+        self._left = self._sock.length if self._sock is not None else 0
 
     def __enter__(self) -> _BodyReader:
         return self
@@ -598,13 +609,55 @@ class _BodyReader:
             return fn(arg)
         except BotoCoreError as exc:
             raise self._store._error("get", self._key, exc) from exc
-        except (OSError, ValueError) as exc:  # urllib3 protocol errors surface as these
+        except (OSError, ValueError, http.client.HTTPException) as exc:  # transport errors
             raise StoreUnavailableError(
                 f"get {self._key!r} from {self._store.url} broke off: {exc}"
             ) from exc
 
+    def _advance(self, got: int, wanted: int) -> None:
+        if got == 0 and wanted and self._left:
+            raise StoreUnavailableError(
+                f"get {self._key!r} from {self._store.url} broke off with {self._left} "
+                "bytes of the body still to come"
+            )
+        self._left -= got
+        if not self._left:
+            # the whole body is in: the connection can serve the next request (urllib3
+            # would do this itself had the bytes gone through it)
+            self._raw.release_conn()
+
     def read(self, n: int = -1) -> bytes:
-        return self._guard(self._body.read, None if n < 0 else n)
+        if self._sock is None:
+            return self._guard(self._body.read, None if n < 0 else n)
+        if not self._left:
+            return b""
+        data: bytes = self._guard(self._sock.read, None if n < 0 else n)
+        self._advance(len(data), n)
+        return data
 
     def readinto(self, buf: Any) -> int:
-        return self._guard(self._body.readinto, buf)
+        if self._sock is None:
+            return self._guard(self._body.readinto, buf)
+        if not self._left:
+            return 0
+        got: int = self._guard(self._sock.readinto, buf) or 0
+        self._advance(got, len(buf))
+        return got
+
+
+def _socket_response(body: Any) -> tuple[Any, http.client.HTTPResponse | None]:
+    """The urllib3 response under a botocore body and its ``http.client`` response, when
+    bytes can be read from the latter as they are: nothing read yet, a known length, no
+    chunked or content encoding. (None, None) otherwise, and reads go through botocore."""
+    raw = getattr(body, "_raw_stream", None)
+    sock = getattr(raw, "_fp", None)
+    if (
+        not isinstance(sock, http.client.HTTPResponse)
+        or sock.chunked
+        or sock.length is None
+        or getattr(raw, "_fp_bytes_read", None) != 0
+        or not callable(getattr(raw, "release_conn", None))
+        or raw.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity")
+    ):
+        return None, None
+    return raw, sock
