@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 from urllib.parse import unquote
 
@@ -15,7 +16,14 @@ from .file import FileStore
 from .s3 import S3Config, S3Store
 
 KNOWN_SCHEMES = ("file://", "s3://")
-_FILE_OPTIONS = ("fsync",)
+_FILE_OPTIONS = ("fsync", "threads")
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
 
 
 def open_store(
@@ -54,7 +62,19 @@ def open_store(
                 fsync = env_bool(query["fsync"])
             except ConfigError as exc:
                 raise ConfigError(f"{redact_url(url)!r}: fsync: {exc}") from None
-        return FileStore(root, fsync=fsync, max_workers=max_workers)
+        # Reads and writes that hit the page cache are CPU work (copies and the digest):
+        # threads beyond the CPUs only contend for them (measured: 16 chunks pulled in
+        # 11.0 ms with 2 threads on 2 CPUs, 13.3 ms with 16). ?threads= for a slow or
+        # network file system, where more requests in flight hide latency.
+        threads = min(max_workers, max(2, _usable_cpus()))
+        if "threads" in query:
+            try:
+                threads = int(query["threads"])
+            except ValueError:
+                threads = 0
+            if threads < 1:
+                raise ConfigError(f"{redact_url(url)!r}: threads must be a positive integer")
+        return FileStore(root, fsync=fsync, max_workers=threads)
     if scheme == "s3":
         defaults: dict[str, Any] = {
             "max_connections": max_workers,

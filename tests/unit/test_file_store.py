@@ -170,11 +170,26 @@ def test_head_mtime_is_the_files(tmp_path: Path) -> None:
 
 
 def test_open_store_absolute(tmp_path: Path) -> None:
-    with open_store(f"file://{tmp_path}/abs", max_workers=3) as store:
+    with open_store(f"file://{tmp_path}/abs", max_workers=1) as store:
         assert isinstance(store, FileStore)
         assert store.root == tmp_path / "abs"
-        assert store.max_workers == 3
+        assert store.max_workers == 1
         assert store.fsync is False
+
+
+def test_file_store_threads_follow_the_cpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # page-cache reads and writes are CPU work: no more threads than CPUs (at least 2),
+    # never more than max_workers, unless the URL asks for a number
+    import kvcloud.stores as stores
+
+    for cpus, max_workers, want in ((2, 16, 2), (1, 16, 2), (8, 16, 8), (64, 16, 16), (8, 4, 4)):
+        monkeypatch.setattr(stores, "_usable_cpus", lambda n=cpus: n)
+        with open_store(f"file://{tmp_path}", max_workers=max_workers) as store:
+            assert store.max_workers == want, (cpus, max_workers)
+    with open_store(f"file://{tmp_path}?threads=32", max_workers=4) as store:
+        assert store.max_workers == 32
 
 
 def test_open_store_relative(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -205,6 +220,8 @@ def test_open_store_percent_decodes(tmp_path: Path) -> None:
         ("file://", "no directory"),
         ("file:///tmp/x?bogus=1", "bogus"),
         ("file:///tmp/x?fsync=perhaps", "fsync"),
+        ("file:///tmp/x?threads=0", "threads"),
+        ("file:///tmp/x?threads=many", "threads"),
     ],
 )
 def test_open_store_config_errors(url: str, needle: str) -> None:
