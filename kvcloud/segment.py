@@ -260,6 +260,42 @@ def _seal(
     return EncodedSegment(digest=content_digest(buf, alg), data=buf, header=_parse_header(header))
 
 
+def _new_header(
+    ns: Namespace, fp: bytes, parent: bytes, kv: np.ndarray, codec: str, version: int
+) -> tuple[np.ndarray, dict[str, Any], str]:
+    """Check what is about to be encoded; return the checked array, the header of an
+    unencrypted object (``payload_len`` still 0) and the digest algorithm."""
+    if version not in DIGEST_ALGS:
+        raise ConfigError(f"segment format version {version} is not supported")
+    if codec not in CODECS:
+        raise ConfigError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
+    if (codec in LOSSY_CODECS or ns.quant) and codec != ns.quant:
+        raise ConfigError(
+            f"codec {codec!r} in namespace with KV codec {ns.quant or 'lossless'!r}: a lossy "
+            "codec is used exactly in the namespaces that name it"
+        )
+    if len(fp) != FP_BYTES or len(parent) != FP_BYTES:
+        raise LayoutError("fingerprints must be 32 bytes")
+    kv = ns.check_array(kv)
+    n_tokens = kv.shape[2]
+    if not 0 < n_tokens <= ns.chunk_tokens:
+        raise LayoutError(f"a segment holds 1..{ns.chunk_tokens} tokens, got {n_tokens}")
+    header: dict[str, Any] = {
+        "v": version,
+        "ns": ns.id,
+        "fp": bytes(fp),
+        "parent": bytes(parent),
+        "n": n_tokens,
+        "layout": list(ns.layout),
+        "dtype": ns.dtype,
+        "codec": codec,
+        "raw_len": n_tokens * ns.bytes_per_token,
+        "payload_len": 0,
+        "enc": {"alg": "none"},
+    }
+    return kv, header, DIGEST_ALGS[version]
+
+
 def encode_segment(
     ns: Namespace,
     fp: bytes,
@@ -277,36 +313,8 @@ def encode_segment(
     deterministic: the same chunk under the same key always encodes to the same bytes.
     ``version`` 1 writes the SHA-256-addressed format older builds read (tests, rollbacks).
     """
-    if version not in DIGEST_ALGS:
-        raise ConfigError(f"segment format version {version} is not supported")
-    alg = DIGEST_ALGS[version]
-    if codec not in CODECS:
-        raise ConfigError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
-    if (codec in LOSSY_CODECS or ns.quant) and codec != ns.quant:
-        raise ConfigError(
-            f"codec {codec!r} in namespace with KV codec {ns.quant or 'lossless'!r}: a lossy "
-            "codec is used exactly in the namespaces that name it"
-        )
-    if len(fp) != FP_BYTES or len(parent) != FP_BYTES:
-        raise LayoutError("fingerprints must be 32 bytes")
-    kv = ns.check_array(kv)
-    n_tokens = kv.shape[2]
-    if not 0 < n_tokens <= ns.chunk_tokens:
-        raise LayoutError(f"a segment holds 1..{ns.chunk_tokens} tokens, got {n_tokens}")
-    raw_len = n_tokens * ns.bytes_per_token
-    header: dict[str, Any] = {
-        "v": version,
-        "ns": ns.id,
-        "fp": bytes(fp),
-        "parent": bytes(parent),
-        "n": n_tokens,
-        "layout": list(ns.layout),
-        "dtype": ns.dtype,
-        "codec": codec,
-        "raw_len": raw_len,
-        "payload_len": 0,
-        "enc": {"alg": "none"},
-    }
+    kv, header, alg = _new_header(ns, fp, parent, kv, codec, version)
+    raw_len = header["raw_len"]
     if codec == "raw" and key is not None:
         return _seal(header, _plain_parts(kv), raw_len, key, alg)
     if codec == "raw":
@@ -376,37 +384,11 @@ def encode_segment_parts(
     if codec != "raw" or key is not None:
         seg = encode_segment(ns, fp, parent, kv, codec, level, key=key, version=version)
         return SegmentParts(seg.digest, (seg.data,), seg.header, len(seg.data))
-    if version not in DIGEST_ALGS:
-        raise ConfigError(f"segment format version {version} is not supported")
-    if ns.quant:
-        raise ConfigError(
-            f"codec 'raw' in namespace with KV codec {ns.quant!r}: a lossy "
-            "codec is used exactly in the namespaces that name it"
-        )
-    if len(fp) != FP_BYTES or len(parent) != FP_BYTES:
-        raise LayoutError("fingerprints must be 32 bytes")
-    kv = ns.check_array(kv)
-    n_tokens = kv.shape[2]
-    if not 0 < n_tokens <= ns.chunk_tokens:
-        raise LayoutError(f"a segment holds 1..{ns.chunk_tokens} tokens, got {n_tokens}")
-    raw_len = n_tokens * ns.bytes_per_token
-    header: dict[str, Any] = {
-        "v": version,
-        "ns": ns.id,
-        "fp": bytes(fp),
-        "parent": bytes(parent),
-        "n": n_tokens,
-        "layout": list(ns.layout),
-        "dtype": ns.dtype,
-        "codec": "raw",
-        "raw_len": raw_len,
-        "payload_len": raw_len,
-        "enc": {"alg": "none"},
-    }
+    kv, header, alg = _new_header(ns, fp, parent, kv, "raw", version)
+    raw_len = header["payload_len"] = header["raw_len"]
     hbytes = _pack_header(header)
     head = _PREFIX.pack(MAGIC, len(hbytes)) + hbytes
     parts: list[bytes | memoryview] = [head, *_plain_parts(kv)]
-    alg = DIGEST_ALGS[version]
     # one object is hashed on one thread: pushes run several objects in parallel
     h = _hasher(alg)
     for part in parts:
