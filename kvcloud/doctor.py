@@ -253,6 +253,7 @@ def check_index(url: str, cfg: KVCloudConfig) -> Iterator[Check]:
         client = getattr(index, "_client", None)
         if client is not None and type(index).__name__ == "RedisIndex":
             yield from _check_redis(client)
+            yield from _check_buckets(client, index)
     finally:
         index.close()
 
@@ -338,6 +339,53 @@ def _check_redis(client: Any) -> Iterator[Check]:
         yield Check("index", "clock skew", WARN, f"TIME failed: {exc}")
         return
     yield _skew_check("index", seconds + micros / 1e6, sent, received)
+
+
+def _check_buckets(client: Any, index: Any, sample: int = 64) -> Iterator[Check]:
+    """Sample the entry buckets: a bucket past hash-max-listpack-entries fields becomes a
+    regular Redis hash, which takes about 1.5x the memory per entry (docs/OPERATIONS.md)."""
+    import redis.exceptions as rexc
+
+    try:
+        try:
+            raw = client.config_get("hash-max-listpack-entries").get("hash-max-listpack-entries")
+            limit = int(raw) if raw is not None else 512
+        except rexc.ResponseError:  # CONFIG disabled (managed Redis): Redis's default
+            limit = 512
+        keys: list[bytes] = []
+        for key in client.scan_iter(match=f"{index.prefix}:h:*", count=1000):
+            keys.append(key)
+            if len(keys) >= sample:
+                break
+        if not keys:
+            yield Check("index", "entry buckets", OK, "no entries yet")
+            return
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hlen(key)
+            pipe.object("encoding", key)
+        replies = pipe.execute()
+    except rexc.RedisError as exc:
+        yield Check("index", "entry buckets", WARN, f"could not sample the buckets: {exc}")
+        return
+    sizes = [int(n) for n in replies[0::2]]
+    compact = sum(1 for e in replies[1::2] if e in (b"listpack", b"ziplist", "listpack"))
+    detail = (
+        f"{len(keys)} buckets sampled: {max(sizes)} entries at most, "
+        f"{sum(sizes) / len(sizes):.0f} on average, {compact} of {len(keys)} compact "
+        f"(limit {limit} entries; {index.buckets} buckets per namespace)"
+    )
+    if compact < len(keys) or max(sizes) > 0.8 * limit:
+        yield Check(
+            "index",
+            "entry buckets",
+            WARN,
+            detail,
+            "raise ?buckets= in the index URL of every worker (a power of two, at least a"
+            " namespace's entries / 400), or CONFIG SET hash-max-listpack-entries higher",
+        )
+    else:
+        yield Check("index", "entry buckets", OK, detail)
 
 
 # --- entry point -------------------------------------------------------------------------------

@@ -3,9 +3,11 @@ wrong credentials; and ``kvcloud stats --prometheus``."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -86,6 +88,41 @@ def test_moto_and_redis_ok(
     client = redis.Redis.from_url(redis_url)
     assert not client.keys("*_doctor*")
     client.close()
+
+
+def test_overfull_index_buckets_are_reported(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvcloud.indexes import IndexEntry, RedisIndex
+
+    prefix = "doctor" + uuid.uuid4().hex[:8]
+    ok_url = f"{redis_url}?prefix={prefix}"
+    _, report = _doctor(capsys, "--index", ok_url)
+    assert _by_name(report)[("index", "entry buckets")]["detail"] == "no entries yet"
+    # 600 entries in one bucket: past the 512 fields Redis keeps compact
+    with RedisIndex(f"{ok_url}&buckets=1") as idx:
+        idx.register_many(
+            "ns", [(f"{i:064x}", IndexEntry(f"k{i}", 16, 1, 0.0)) for i in range(600)]
+        )
+    rc, report = _doctor(capsys, "--index", f"{ok_url}&buckets=1")
+    assert rc == 0  # a warning, not a failure
+    check = _by_name(report)[("index", "entry buckets")]
+    assert check["status"] == "warn" and "0 of 1 compact" in check["detail"], check
+    assert "buckets=" in check["fix"]
+    with RedisIndex(f"{ok_url}&buckets=64") as idx:
+        idx.register_many(
+            "ns2",
+            [
+                (hashlib.sha256(bytes([i])).hexdigest(), IndexEntry("k", 16, 1, 0.0))
+                for i in range(100)
+            ],
+        )
+    client = redis.Redis.from_url(redis_url)
+    client.delete(f"{prefix}:h:ns:0")
+    client.close()
+    _, report = _doctor(capsys, "--index", f"{ok_url}&buckets=64")
+    check = _by_name(report)[("index", "entry buckets")]
+    assert check["status"] == "ok" and "compact" in check["detail"], check
 
 
 def test_missing_bucket_and_evicting_policy(
