@@ -485,35 +485,22 @@ class KVCloud(Closing):
             key = ref.entry.object_key
             dest = dests[i]
             try:
-                if dest.flags.c_contiguous:
-                    # stream straight into the destination (a KV page): no copy of the
-                    # object is ever held, and hashing overlaps the transfer
-                    with self.store.open_read(key) as reader:
-                        _, size = read_segment_into(
-                            reader,
-                            dest,
-                            digest=digest_from_key(key),
-                            ns=ns,
-                            fp=ref.fp,
-                            parent=ref.parent,
-                            n_tokens=ns.chunk_tokens,
-                            key=dkey,
-                            require_encryption=must_encrypt,
-                        )
-                    return "ok", size
-                data = self.store.get(key)
-                decode_segment(
-                    data,
-                    digest=digest_from_key(key),
-                    ns=ns,
-                    fp=ref.fp,
-                    parent=ref.parent,
-                    n_tokens=ns.chunk_tokens,
-                    out=dest,
-                    key=dkey,
-                    require_encryption=must_encrypt,
-                )
-                return "ok", len(data)
+                # stream straight into the destination (a KV page, or a chunk's slice of one
+                # array, block by block): no copy of the object is ever held, and hashing
+                # overlaps the transfer
+                with self.store.open_read(key) as reader:
+                    _, size = read_segment_into(
+                        reader,
+                        dest,
+                        digest=digest_from_key(key),
+                        ns=ns,
+                        fp=ref.fp,
+                        parent=ref.parent,
+                        n_tokens=ns.chunk_tokens,
+                        key=dkey,
+                        require_encryption=must_encrypt,
+                    )
+                return "ok", size
             except ObjectNotFoundError:
                 return "missing", 0
             except CorruptObjectError as exc:

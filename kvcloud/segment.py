@@ -47,6 +47,7 @@ from .errors import (
     BadMagicError,
     CodecError,
     ConfigError,
+    CorruptObjectError,
     DecryptionError,
     DigestMismatchError,
     HeaderMismatchError,
@@ -698,7 +699,9 @@ def read_segment_into(
     Returns the header and the object's size in bytes.
 
     The header is read and checked first (so a hostile length never allocates), then a raw
-    payload is read straight into ``out`` (when it is C-contiguous) while being hashed; an
+    payload is read straight into ``out`` while being hashed (into each of its
+    ``[layer, K|V]`` blocks when ``out`` is a slice of a larger array along the token axis);
+    an
     encrypted raw payload is read piece by piece into a small buffer, hashed, and decrypted
     into ``out``. If anything fails — including the digest and the tag, checked last —
     ``out`` holds garbage and the caller must not use it. ``key`` and
@@ -707,6 +710,70 @@ def read_segment_into(
     alg = digest_alg(digest) if digest is not None else None
     # without a digest to compare with there is nothing to hash for
     h: _Hasher = _hasher(alg) if alg is not None else _NoHash()
+    try:
+        return _read_segment_into(
+            reader,
+            out,
+            h,
+            alg,
+            digest,
+            ns=ns,
+            fp=fp,
+            parent=parent,
+            n_tokens=n_tokens,
+            key=key,
+            require_encryption=require_encryption,
+        )
+    except CorruptObjectError as exc:
+        if alg is None or isinstance(exc, DigestMismatchError):
+            raise
+        # Report what decode_segment reports for the same bytes: a damaged object is a
+        # digest mismatch first, whichever check happened to see the damage.
+        if not _rest_matches(reader, h, alg, digest):
+            raise DigestMismatchError("object bytes do not match their content address") from exc
+        raise
+
+
+def _rest_matches(reader: Reader, h: _Hasher, alg: str, digest: str | None) -> bool:
+    """Hash what is left of the object; True if the whole object matches ``digest``."""
+    left = MAX_RAW_LEN + MAX_HEADER_LEN + (1 << 20)  # past any valid object: give up
+    while left > 0:
+        piece = reader.read(min(_STREAM_PIECE, left))
+        if not piece:
+            return _digest_string(alg, h.hexdigest()) == digest
+        h.update(piece)
+        left -= len(piece)
+    return False
+
+
+def _contiguous_blocks(out: np.ndarray) -> list[memoryview] | None:
+    """``out`` as byte views of contiguous pieces in payload order: itself when it is
+    C-contiguous, else its ``[layer, K|V]`` blocks when each is (a chunk's slice of a
+    longer array); None otherwise."""
+    if out.flags.c_contiguous:
+        return [memoryview(out.reshape(-1).view(np.uint8))]
+    if out.ndim != 5:
+        return None
+    blocks = [out[layer, kv] for layer in range(out.shape[0]) for kv in range(out.shape[1])]
+    if not all(b.flags.c_contiguous for b in blocks):
+        return None
+    return [memoryview(b.reshape(-1).view(np.uint8)) for b in blocks]
+
+
+def _read_segment_into(
+    reader: Reader,
+    out: np.ndarray,
+    h: _Hasher,
+    alg: str | None,
+    digest: str | None,
+    *,
+    ns: Namespace | None,
+    fp: bytes | None,
+    parent: bytes | None,
+    n_tokens: int | None,
+    key: TenantKey | None,
+    require_encryption: bool,
+) -> tuple[SegmentHeader, int]:
     prefix = _read_exact(reader, _PREFIX.size, "prefix")
     h.update(prefix)
     magic, header_len = _PREFIX.unpack(prefix)
@@ -733,21 +800,25 @@ def read_segment_into(
     size = _PREFIX.size + header_len + header.payload_len
 
     def check_end() -> None:
-        if reader.read(1):
+        extra = reader.read(1)
+        if extra:
+            h.update(extra)  # the object is still hashed whole (see read_segment_into)
             raise TruncatedObjectError("object has bytes after its declared payload")
         if alg is not None and _digest_string(alg, h.hexdigest()) != digest:
             raise DigestMismatchError("object bytes do not match their content address")
 
-    if header.codec == "raw" and out.flags.c_contiguous:
-        view = memoryview(out.reshape(-1).view(np.uint8))
-        if k is None:
-            # hash each piece right after it lands, while it is still in cache
+    blocks = _contiguous_blocks(out) if header.codec == "raw" and k is None else None
+    if blocks is not None:
+        # hash each piece right after it lands, while it is still in cache
+        for view in blocks:
             for off in range(0, len(view), _STREAM_PIECE):
                 piece = view[off : off + _STREAM_PIECE]
                 _readinto_exact(reader, piece)
                 h.update(piece)
-            check_end()
-            return header, size
+        check_end()
+        return header, size
+    if header.codec == "raw" and out.flags.c_contiguous:
+        view = memoryview(out.reshape(-1).view(np.uint8))
         # ciphertext lands in a small buffer, is hashed there and decrypted into the page:
         # one pass over the page, no copy of the object
         dec = StreamDecryptor(k, header.nonce, header.aad())

@@ -284,17 +284,53 @@ def test_stream_decode_bit_exact(dtype: str, codec: str) -> None:
 def test_stream_decode_rejects_damage() -> None:
     ns, fps, _, seg = _seg()
     data = bytes(seg.data)
-    with pytest.raises(TruncatedObjectError):
-        _stream_decode(data[:-3], ns, digest=seg.digest)
-    with pytest.raises(TruncatedObjectError):
-        _stream_decode(data + b"\0", ns, digest=seg.digest)
-    with pytest.raises(TruncatedObjectError):
-        _stream_decode(data[:6], ns)
+    # with a content address to check, damage is a digest mismatch, as decode_segment
+    # reports it for the same bytes; without one, the structural error
+    for damaged in (data[:-3], data + b"\0", data[:6]):
+        with pytest.raises(DigestMismatchError):
+            _stream_decode(damaged, ns, digest=seg.digest)
+        with pytest.raises(DigestMismatchError):
+            decode_segment(damaged, digest=seg.digest, ns=ns)
+        with pytest.raises(TruncatedObjectError):
+            _stream_decode(damaged, ns)
     for pos in range(0, len(data), max(1, len(data) // 61)):
         bad = bytearray(data)
         bad[pos] ^= 0x40
         with pytest.raises(CorruptObjectError):
             _stream_decode(bytes(bad), ns, digest=seg.digest, fp=fps[1], parent=fps[0], n_tokens=16)
+
+
+def test_stream_decode_into_a_slice_of_a_longer_array_reads_block_by_block() -> None:
+    """A chunk's slice of one array (pull(out=...)) is filled block by block straight from
+    the stream: bit-exact, and nothing near the object's size is allocated."""
+    import io
+
+    ns = make_ns(chunk_tokens=256, num_layers=4, num_kv_heads=4, head_dim=64)
+    toks = make_tokens(512)
+    fps = chunk_fingerprints(ns, toks, KEY)
+    kv = make_kv(ns, 512)
+    seg = encode_segment(ns, fps[1], fps[0], kv[:, :, 256:])
+    big = np.zeros(ns.kv_shape(1024), dtype=ns.dtype_info.storage)
+    dest = big[:, :, 256:512]
+    assert not dest.flags.c_contiguous
+    stream = io.BytesIO(bytes(seg.data))
+    tracemalloc.start()
+    try:
+        _, size = read_segment_into(
+            stream, dest, digest=seg.digest, ns=ns, fp=fps[1], parent=fps[0]
+        )
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert size == len(seg.data) and same_bits(dest, kv[:, :, 256:])
+    assert not big[:, :, :256].any() and not big[:, :, 512:].any()  # nothing outside the slice
+    assert peak < ns.chunk_bytes // 8, peak
+    # a flipped payload bit in that path is a digest mismatch, the rest of the array untouched
+    bad = bytearray(seg.data)
+    bad[-100] ^= 1
+    with pytest.raises(DigestMismatchError):
+        read_segment_into(io.BytesIO(bytes(bad)), dest, digest=seg.digest, ns=ns)
+    assert not big[:, :, :256].any()
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
