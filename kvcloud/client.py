@@ -429,8 +429,6 @@ class KVCloud(Closing):
             return Match(ns, t, (), start + len(fps))
         hits: list[ChunkRef] = []
         for i, (fp, entry) in enumerate(zip(fps, entries, strict=False)):
-            if entry is None:  # an Index subclass written before lookup_run existed
-                break
             hits.append(ChunkRef(start + i, fp, parent, entry))
             parent = fp
         with self._lock:  # "lookups" already reached the index with this round trip

@@ -817,7 +817,7 @@ def _read_segment_into(
                 h.update(piece)
         check_end()
         return header, size
-    if header.codec == "raw" and out.flags.c_contiguous:
+    if header.codec == "raw" and k is not None and out.flags.c_contiguous:
         view = memoryview(out.reshape(-1).view(np.uint8))
         # ciphertext lands in a small buffer, is hashed there and decrypted into the page:
         # one pass over the page, no copy of the object

@@ -54,6 +54,12 @@ class Index(Closing, ABC):
     def __init__(self, ttl_seconds: int = DEFAULT_TTL_SECONDS) -> None:
         self.ttl_seconds = int(ttl_seconds)
 
+    def renewal_due(self, now: float) -> float:
+        """Hits whose expiry is earlier than this get their TTL renewed: a hundredth of the
+        TTL (at most a minute) short of a fresh one, so a hot prefix costs an index write a
+        minute rather than one per lookup (and gc's LRU order has that resolution)."""
+        return now + self.ttl_seconds - min(self.ttl_seconds / 100, 60.0)
+
     @abstractmethod
     def register(self, ns: str, fp: str, entry: IndexEntry) -> bool:
         """Create the entry unless one exists (SET NX). True if created now.

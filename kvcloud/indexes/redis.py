@@ -385,9 +385,6 @@ class RedisIndex(Index):
         super().__init__(ttl_seconds)
         if self.ttl_seconds <= 0:
             raise ConfigError(f"index URL {self.url!r}: ttl must be positive")
-        # Renew a hit only when its expiry is this much older than a fresh one: a hot prefix
-        # then costs a write a minute instead of one per lookup.
-        self._renew_slack = min(self.ttl_seconds / 100, 60.0)
         if not prefix or "{" in prefix or "}" in prefix:
             # Braces would form a Redis Cluster hash tag and pin every key to one slot.
             raise ConfigError(f"index URL {self.url!r}: prefix must be non-empty, without braces")
@@ -636,7 +633,7 @@ class RedisIndex(Index):
             )
         found: list[IndexEntry | None] = []
         renew: list[tuple[str, bytes]] = []
-        fresh = time.time() + self.ttl_seconds - self._renew_slack
+        fresh = self.renewal_due(time.time())
         for i, raw in enumerate(raws):
             if raw is None:
                 found.append(None)

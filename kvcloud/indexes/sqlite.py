@@ -99,7 +99,6 @@ class SQLiteIndex(Index):
         # Lookups only read: the sliding-TTL renewals of their hits and their counters are
         # written by a background thread, batched, so a request never waits for the write
         # lock (which another process may hold for a whole registration).
-        self._renew_slack = min(self.ttl_seconds / 100, 60.0)
         self._deferred = Deferred(
             self._write_side_effects, f"kvcloud-sqlite-{Path(self.path).name}", delay=renew_delay
         )
@@ -272,7 +271,7 @@ class SQLiteIndex(Index):
         found: dict[str, IndexEntry] = {}
         renew: list[tuple[str, str]] = []
         now = time.time()
-        fresh = now + self.ttl_seconds - self._renew_slack
+        fresh = self.renewal_due(now)
         with self._read() as conn:
             for part in _chunks(unique):
                 rows = conn.execute(
