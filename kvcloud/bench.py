@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -374,17 +374,22 @@ def _fresh_chain(ns: Namespace, n: int) -> list[tuple[bytes, bytes]]:
 class _Round:
     push_kvcloud: float
     push_plain: float
-    pull_kvcloud: float
-    pull_array: float
-    pull_plain: float
+    # one time per pull pass
+    pull_kvcloud: list[float]
+    pull_array: list[float]
+    pull_plain: list[float]
     nbytes: int
     objects_deleted: int = 0
     entries_dropped: int = 0
-    # --encrypt: the same chunks for a tenant that encrypts (0.0 when not measured)
+    # --encrypt: the same chunks for a tenant that encrypts (0.0 / empty when not measured)
     push_encrypted: float = 0.0
-    pull_encrypted: float = 0.0
-    pull_array_encrypted: float = 0.0
+    pull_encrypted: list[float] = field(default_factory=list)
+    pull_array_encrypted: list[float] = field(default_factory=list)
     nbytes_encrypted: int = 0
+
+    def times(self, attr: str) -> list[float]:
+        value = getattr(self, attr)
+        return list(value) if isinstance(value, list) else [value]
 
 
 # --- the bench ----------------------------------------------------------------------------------
@@ -399,8 +404,9 @@ def run_store_bench(
     chunks: int = 64,
     concurrency: int | None = None,
     repeat: int = 3,
+    pull_passes: int = 3,
     lookup_chunks: int = 128,
-    lookup_iters: int = 200,
+    lookup_iters: int = 2000,
     codec: str | None = None,
     keep: bool = False,
     seed: int | None = None,
@@ -415,8 +421,10 @@ def run_store_bench(
     KVCloudConfig.max_connections; a ``max_connections`` in an s3:// URL wins, and the
     baseline always uses whatever the store really got.
     """
-    if chunks < 1 or repeat < 1 or lookup_chunks < 1 or lookup_iters < 1:
-        raise BenchError("chunks, repeat, lookup-chunks and lookup-iters must be at least 1")
+    if min(chunks, repeat, pull_passes, lookup_chunks, lookup_iters) < 1:
+        raise BenchError(
+            "chunks, repeat, pull-passes, lookup-chunks and lookup-iters must be at least 1"
+        )
     if servers and (store or index):
         raise BenchError("--servers starts its own store and index; drop --store/--index")
     layout = layout or BenchLayout.resolve("small")
@@ -433,6 +441,7 @@ def run_store_bench(
             chunks=chunks,
             concurrency=concurrency,
             repeat=repeat,
+            pull_passes=pull_passes,
             lookup_chunks=lookup_chunks,
             lookup_iters=lookup_iters,
             codec=codec,
@@ -453,6 +462,7 @@ def _run(
     chunks: int,
     concurrency: int | None,
     repeat: int,
+    pull_passes: int,
     lookup_chunks: int,
     lookup_iters: int,
     codec: str | None,
@@ -532,20 +542,25 @@ def _run(
                     kvcloud_first=r % 2 == 0,
                     keep=keep,
                     encrypt=encrypt,
+                    pull_passes=pull_passes,
                 )
             )
             done.append(rounds[-1])
         nbytes = rounds[0].nbytes
+
+        def times(attr: str) -> list[float]:
+            return [t for x in rounds for t in x.times(attr)]
+
         push = _pair(
-            _throughput(nbytes, [x.push_kvcloud for x in rounds]),
-            _throughput(nbytes, [x.push_plain for x in rounds]),
+            _throughput(nbytes, times("push_kvcloud")),
+            _throughput(nbytes, times("push_plain")),
         )
         pull = _pair(
-            _throughput(nbytes, [x.pull_kvcloud for x in rounds]),
-            _throughput(nbytes, [x.pull_plain for x in rounds]),
+            _throughput(nbytes, times("pull_kvcloud")),
+            _throughput(nbytes, times("pull_plain")),
         )
         pull_array = _pair(
-            _throughput(nbytes, [x.pull_array for x in rounds]),
+            _throughput(nbytes, times("pull_array")),
             pull["baseline"],
         )
         push["kvcloud"]["method"] = "KVCloud.push_chunks"
@@ -568,7 +583,7 @@ def _run(
                 ("pull", "pull_encrypted", pull),
                 ("pull_array", "pull_array_encrypted", pull_array),
             ):
-                figures = _throughput(nbytes, [getattr(x, attr) for x in rounds])
+                figures = _throughput(nbytes, times(attr))
                 figures["method"] = f"{plain_pair['kvcloud']['method']}, encrypted"
                 # the overhead: encrypted vs unencrypted kvcloud, same run, same rounds
                 encryption[op] = _pair(figures, plain_pair["kvcloud"])
@@ -609,6 +624,7 @@ def _run(
             "bytes": nbytes,
             "concurrency": workers,
             "repeat": repeat,
+            "pull_passes": pull_passes,
             "warmup_chunks": warm,
             "push": push,
             "pull": pull,
@@ -667,9 +683,12 @@ def _round(
     kvcloud_first: bool,
     keep: bool,
     encrypt: bool = False,
+    pull_passes: int = 1,
 ) -> _Round:
     """One push + pull of ``data`` by kvcloud and by the plain client, same bytes (and, with
-    ``encrypt``, by kvcloud for an encrypting tenant, under fresh fingerprints)."""
+    ``encrypt``, by kvcloud for an encrypting tenant, under fresh fingerprints). The pulls
+    run ``pull_passes`` times, the order rotating each pass so that every method takes every
+    place in it once per len(methods) passes."""
     n = len(data)
     chain = _fresh_chain(ns, n)
     items = [(fp, parent, kv_) for (fp, parent), kv_ in zip(chain, data, strict=True)]
@@ -795,12 +814,15 @@ def _round(
         "pull_array": "out",
         "pull_array_encrypted": "out",
     }
-    timed: dict[str, float] = {}
-    for f in order if kvcloud_first else order[::-1]:
-        timed[f.__name__] = f()
-        if encrypt and f.__name__ in dest_of:
-            # two pulls share each destination: check each one before the next overwrites it
-            check(dest_of[f.__name__])
+    timed: dict[str, list[float]] = {f.__name__: [] for f in order}
+    first = order if kvcloud_first else order[::-1]
+    for p in range(pull_passes):
+        k = p % len(first)
+        for f in first[k:] + first[:k]:
+            timed[f.__name__].append(f())
+            if encrypt and f.__name__ in dest_of:
+                # two pulls share each destination: check each before the next overwrites it
+                check(dest_of[f.__name__])
     check("pages")
     check("out")
     result = _Round(
@@ -811,8 +833,8 @@ def _round(
         timed["pull_plain"],
         nbytes,
         push_encrypted=pushed.get("push_encrypted", 0.0),
-        pull_encrypted=timed.get("pull_encrypted", 0.0),
-        pull_array_encrypted=timed.get("pull_array_encrypted", 0.0),
+        pull_encrypted=timed.get("pull_encrypted", []),
+        pull_array_encrypted=timed.get("pull_array_encrypted", []),
         nbytes_encrypted=nbytes_enc,
     )
     if not keep:

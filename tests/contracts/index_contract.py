@@ -120,6 +120,15 @@ class IndexContract:
         got = index.lookup(NS, [fp(i) for i in range(n)])
         assert got == [entry(i) if i in present else None for i in range(n)]
 
+    def test_lookup_run_mixes_hex_and_other_fingerprints(self, index: Index) -> None:
+        # Hex fingerprints and free-form ones are stored differently by some backends; a
+        # prompt's chain may hold both, and the run must still be the same.
+        odd = "x" * 31  # free-form, and 32 bytes once a separator is added
+        index.register_many(NS, [(fp(1), entry(1)), (odd, entry(2)), (fp(3), entry(3))])
+        assert index.lookup_run(NS, [fp(1), odd, fp(3), fp(4)]) == [entry(1), entry(2), entry(3)]
+        assert index.lookup_run(NS, [fp(1), "y" * 64, fp(3)]) == [entry(1)]
+        assert index.lookup(NS, [odd, fp(4), fp(3)]) == [entry(2), None, entry(3)]
+
     def test_lookup_repeated_fps(self, index: Index) -> None:
         index.register(NS, fp(1), entry(1))
         assert index.lookup(NS, [fp(1), fp(2), fp(1)]) == [entry(1), None, entry(1)]

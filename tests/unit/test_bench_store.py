@@ -27,6 +27,7 @@ def _tiny(**kw: Any) -> dict[str, Any]:
         layout=BenchLayout.resolve("tiny", chunk_tokens=16),
         chunks=8,
         repeat=2,
+        pull_passes=2,
         lookup_chunks=32,
         lookup_iters=20,
     )
@@ -47,7 +48,9 @@ def _check_figures(r: dict[str, Any], chunks: int = 8) -> None:
         for side in ("kvcloud", "baseline"):
             x = pair[side]
             assert x["method"]
-            assert len(x["seconds"]) == r["repeat"] and all(s > 0 for s in x["seconds"])
+            # one push per round; pull_passes pulls of each method per round
+            samples = r["repeat"] * (1 if op == "push" else r["pull_passes"])
+            assert len(x["seconds"]) == samples and all(s > 0 for s in x["seconds"])
             assert x["gbps_best"] > 0 and x["gbps_median"] > 0
             assert x["gbps_best"] >= x["gbps_median"]
             assert math.isclose(x["gbps_best"], r["bytes"] / min(x["seconds"]) / 1e9)

@@ -535,6 +535,7 @@ def test_bench_store_reports_encryption_overhead(tmp_path: Path) -> None:
         layout=BenchLayout.resolve("tiny", chunk_tokens=16),
         chunks=4,
         repeat=2,
+        pull_passes=2,
         lookup_chunks=8,
         lookup_iters=5,
         encrypt=True,
@@ -547,7 +548,8 @@ def test_bench_store_reports_encryption_overhead(tmp_path: Path) -> None:
         assert pair["ratio_best"] == pytest.approx(
             pair["kvcloud"]["gbps_best"] / pair["baseline"]["gbps_best"]
         )
-        assert len(pair["kvcloud"]["seconds"]) == 2
+        # one push per round, two pulls of each kind per round
+        assert len(pair["kvcloud"]["seconds"]) == (2 if op == "push" else 4)
     assert enc["object_bytes"] > r["layout"]["object_bytes"]  # the tag rides along
     assert "error" not in r["cleanup"]
     with KVCloud.open(

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import struct
 import subprocess
 import sys
 
@@ -102,6 +104,27 @@ def test_only_full_chunks_and_list_equals_array() -> None:
     assert len(chunk_fingerprints(ns, toks, key)) == 2
     assert chunk_fingerprints(ns, toks.tolist(), key) == chunk_fingerprints(ns, toks, key)
     assert chunk_fingerprints(ns, [], key) == []
+
+
+def test_chain_matches_the_formula_computed_with_hashlib() -> None:
+    # DESIGN §2, written out with hashlib alone: fp_0 = ns digest,
+    # fp_i = keyed BLAKE2b-256(fp_{i-1} ‖ chunk i as little-endian uint32).
+    ns = make_ns()
+    key = derive_tenant_key(b"s", "t")
+    toks = np.random.default_rng(5).integers(0, 2**32, 5 * ns.chunk_tokens + 3, dtype=np.int64)
+    expected, parent = [], ns.digest
+    for i in range(5):
+        chunk = struct.pack(
+            f"<{ns.chunk_tokens}I", *toks[i * ns.chunk_tokens : (i + 1) * ns.chunk_tokens]
+        )
+        parent = hashlib.blake2b(
+            parent + chunk, digest_size=32, key=key, person=b"kvc-fp-v1"
+        ).digest()
+        expected.append(parent)
+    assert chunk_fingerprints(ns, toks, key) == expected
+    # A strided view (every other token of a longer array) hashes its values, not its memory.
+    wide = np.repeat(toks.astype("<u4"), 2)
+    assert chunk_fingerprints(ns, wide[::2], key) == expected
 
 
 def test_tail_fingerprint_differs_from_chunk() -> None:
