@@ -50,6 +50,8 @@ def test_bench_ttft_restores_what_the_pusher_pushed(tmp_path: Path, capsys) -> N
                 "48",
                 "--backends",
                 "file",
+                "--restores",
+                "2",
                 "--json",
             ]
         )
@@ -62,3 +64,6 @@ def test_bench_ttft_restores_what_the_pusher_pushed(tmp_path: Path, capsys) -> N
     # store yet, so it always tries the first hit
     assert row["restored_tokens:file"] == 47
     assert row["recompute_ms"] > 0 and row["restore:file_ms"] > 0
+    # --restores: that many timed restores per method, the median reported
+    for method in ("restore:file", "naive:file"):
+        assert len(report["raw_ms"][method]["48"]) == 2
