@@ -3,8 +3,8 @@
 One process, one local moto_server + redis-server (as `kvcloud bench store --servers`), the
 same objects, every round running the three in turn (rotating which goes first), so a slow
 second of this shared machine lands on all three alike. Prints the medians and the ratios to
-the plain GETs; `kvcloud bench store` runs each method only 3 times, which scatters by ±10 %
-here.
+the plain GETs, over more rounds and at other sizes than `kvcloud bench store` (9 pulls per
+method, 64 chunks).
 
     PYTHONPATH=. .venv/bin/python scripts/bench_pull_paths.py --chunks 32 --rounds 9
 """
