@@ -204,9 +204,10 @@ _FP_BYTES = 32
 _FP_WIDTH = str(_FP_BYTES)
 # Bucket names are looked up in a per-namespace table (formatting 128 names per lookup cost
 # as much as the rest of the client side) when there are at most this many buckets...
-_NAME_TABLE_MAX = 1 << 16
-# ...for this many namespaces at a time (a table of 4,096 names is ~0.4 MB).
-_NAME_TABLES = 8
+_NAME_TABLE_MAX = 1 << 14
+# ...for this many namespaces at a time (a table of 4,096 names is ~0.35 MB, of the most
+# allowed ~1.4 MB).
+_NAME_TABLES = 4
 
 
 def _pack_key(ns: str, key: str) -> bytes:
