@@ -571,7 +571,8 @@ class RedisIndex(Index):
         if names is None:
             if len(self._name_tables) >= _NAME_TABLES:
                 # Oldest first out: a worker serves one or two namespaces, so this is rare.
-                del self._name_tables[next(iter(self._name_tables))]
+                # pop with defaults: another thread may have evicted the same one.
+                self._name_tables.pop(next(iter(self._name_tables), ""), None)
             head = self._bucket_head(ns)
             names = self._name_tables[ns] = [f"{head}{n:x}" for n in range(self.buckets)]
         return names
