@@ -39,6 +39,7 @@ import functools
 import logging
 import re
 import struct
+import threading
 import time
 import weakref
 import zlib
@@ -407,6 +408,7 @@ class RedisIndex(Index):
         self._ttl_ms = self.ttl_seconds * 1000
         self._counters_key = f"{prefix}:counters"
         self._name_tables: dict[str, list[str]] = {}
+        self._name_lock = threading.Lock()
 
         client_url = urlunsplit(parts._replace(query=urlencode(options)))
         try:
@@ -568,13 +570,17 @@ class RedisIndex(Index):
         if self.buckets > _NAME_TABLE_MAX:
             return None
         names = self._name_tables.get(ns)
-        if names is None:
-            if len(self._name_tables) >= _NAME_TABLES:
-                # Oldest first out: a worker serves one or two namespaces, so this is rare.
-                # pop with defaults: another thread may have evicted the same one.
-                self._name_tables.pop(next(iter(self._name_tables), ""), None)
-            head = self._bucket_head(ns)
-            names = self._name_tables[ns] = [f"{head}{n:x}" for n in range(self.buckets)]
+        if names is not None:
+            return names
+        with self._name_lock:  # readers only get(); changes are one thread at a time
+            names = self._name_tables.get(ns)
+            if names is None:
+                if len(self._name_tables) >= _NAME_TABLES:
+                    # Oldest first out: a worker serves one or two namespaces, so this is rare.
+                    del self._name_tables[next(iter(self._name_tables))]
+                head = self._bucket_head(ns)
+                names = [f"{head}{n:x}" for n in range(self.buckets)]
+                self._name_tables[ns] = names
         return names
 
     def _session_key(self, scope: str, session_id: str) -> str:
