@@ -522,10 +522,10 @@ def add_bench_parser(sub: Any) -> None:
     common(t)
     t.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)))
     t.add_argument("--backends", default="file,servers", help="file and/or servers")
-    t.add_argument("--repeat", type=int, default=1)
+    t.add_argument("--repeat", type=_at_least_one, default=1)
     t.add_argument(
         "--restores",
-        type=int,
+        type=_at_least_one,
         default=9,
         help="timed restores per length and method (the median is reported)",
     )
@@ -558,6 +558,17 @@ def add_bench_parser(sub: Any) -> None:
     su.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)))
     su.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
     su.set_defaults(func=cmd_bench_suite)
+
+
+def _at_least_one(text: str) -> int:
+    """argparse type: a count of runs, so 0 (a table of dashes) is refused up front."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
 
 
 def cmd_bench_ttft(args: argparse.Namespace) -> int:

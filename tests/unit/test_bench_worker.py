@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from workers.cli import main
 
 
@@ -67,3 +69,12 @@ def test_bench_ttft_restores_what_the_pusher_pushed(tmp_path: Path, capsys) -> N
     # --restores: that many timed restores per method, the median reported
     for method in ("restore:file", "naive:file"):
         assert len(report["raw_ms"][method]["48"]) == 2
+
+
+@pytest.mark.parametrize("option", ["--restores", "--repeat"])
+def test_bench_ttft_refuses_zero_runs(option: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "ttft", "--model", "tiny", option, "0"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "must be at least 1, got 0" in err and "Traceback" not in err
