@@ -41,6 +41,12 @@ class EntryRecord:
     expires_at: float | None  # unix seconds, None if it never expires
 
 
+def leading_run(found: Sequence[IndexEntry | None]) -> list[IndexEntry]:
+    """The entries before the first miss."""
+    run = next((i for i, e in enumerate(found) if e is None), len(found))
+    return list(found[:run])  # type: ignore[arg-type]
+
+
 class Index(Closing, ABC):
     """Prefix-fingerprint → object-key entries, session records and counters.
 
@@ -88,9 +94,7 @@ class Index(Closing, ABC):
         """The entries of the leading run of hits: ``lookup`` cut at the first miss, which is
         all a restore can use (a chunk needs every chunk before it). Backends may stop
         reading at that miss and return less; the request path of ``KVCloud.lookup``."""
-        found = self.lookup(ns, fps, counters)
-        run = next((i for i, e in enumerate(found) if e is None), len(found))
-        return found[:run]  # type: ignore[return-value]
+        return leading_run(self.lookup(ns, fps, counters))
 
     @abstractmethod
     def drop(self, ns: str, fp: str, object_key: str | None = None) -> bool:

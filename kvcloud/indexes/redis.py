@@ -55,7 +55,7 @@ from redis.retry import Retry
 
 from ..errors import ConfigError, IndexBackendError, IndexUnavailableError
 from ..urls import redact_url
-from .base import DEFAULT_TTL_SECONDS, EntryRecord, Index, IndexEntry
+from .base import DEFAULT_TTL_SECONDS, EntryRecord, Index, IndexEntry, leading_run
 from .deferred import Deferred
 
 log = logging.getLogger("kvcloud.index")
@@ -262,13 +262,14 @@ def _field(fp: str) -> bytes:
     return raw + b"\xff" if len(raw) == 32 else raw
 
 
-def _fields(fps: list[str]) -> list[bytes]:
-    """_field of every fp, fast when all are hex fingerprints (one fromhex for the lot)."""
+def _fields(fps: list[str]) -> tuple[list[bytes], bytes | None]:
+    """_field of every fp and, when all are hex fingerprints (one fromhex for the lot), those
+    32-byte fields joined (None otherwise): what the lookup script takes as one argument."""
     joined = "".join(fps)
     if len(joined) == 64 * len(fps) and _HEXES.fullmatch(joined):
         raw = bytes.fromhex(joined)
-        return [raw[i : i + 32] for i in range(0, len(raw), 32)]
-    return [_field(fp) for fp in fps]
+        return [raw[i : i + _FP_BYTES] for i in range(0, len(raw), _FP_BYTES)], raw
+    return [_field(fp) for fp in fps], None
 
 
 def _fp_of_field(field: bytes) -> str:
@@ -477,16 +478,17 @@ class RedisIndex(Index):
         raise AssertionError("unreachable")
 
     def _read_entries(
-        self, buckets: list[str], fields: list[bytes], walk: bool
+        self, buckets: list[str], fields: list[bytes], packed: bytes | None, walk: bool
     ) -> list[bytes | None]:
         """The request path: the raw values of (bucket, field) pairs in one round trip,
-        stopping at the first miss when ``walk``. Expired values come back as misses; TTLs
-        are not renewed here (see _write_side_effects)."""
+        stopping at the first miss when ``walk``; ``packed`` is the fields joined when all
+        are 32 bytes (see _fields). Expired values come back as misses; TTLs are not
+        renewed here (see _write_side_effects)."""
         now = time.time()
         if not self._single_key:
             flag = "1" if walk else "0"
-            if all(len(f) == _FP_BYTES for f in fields):
-                args = [repr(now), flag, _FP_WIDTH, b"".join(fields)]
+            if packed is not None:
+                args = [repr(now), flag, _FP_WIDTH, packed]
             else:
                 args = [repr(now), flag, "0", *fields]
             return self._script("lookup", buckets, args)
@@ -632,7 +634,7 @@ class RedisIndex(Index):
         if not entries:
             return []
         now = time.time()
-        fields = _fields([fp for fp, _ in entries])
+        fields, _ = _fields([fp for fp, _ in entries])
         expires_at = now + self.ttl_seconds
         per_entry = [
             [field, _pack_value(ns, entry, expires_at)]
@@ -653,11 +655,8 @@ class RedisIndex(Index):
     def lookup_run(
         self, ns: str, fps: Sequence[str], counters: Mapping[str, int] | None = None
     ) -> list[IndexEntry]:
-        fps = list(fps)
-        found = self._lookup(ns, fps, counters, walk=True)
         # Values the script returned but that do not decode end the run too.
-        run = next((i for i, e in enumerate(found) if e is None), len(found))
-        return found[:run]  # type: ignore[return-value]
+        return leading_run(self._lookup(ns, list(fps), counters, walk=True))
 
     def _lookup(
         self, ns: str, fps: list[str], counters: Mapping[str, int] | None, walk: bool
@@ -666,13 +665,13 @@ class RedisIndex(Index):
             if counters:
                 self._deferred.submit((), counters)
             return []
-        fields = _fields(fps)
+        fields, packed = _fields(fps)
         buckets = self._buckets(ns, fields)
         # The request path is this one round trip. The TTL renewal of the hits and the
         # counters go to the background thread, and only once the read succeeded: when it
         # raises, the caller still owns its counters (KVCloud puts them back for later).
         with self._errors():
-            raws = self._read_entries(buckets, fields, walk)
+            raws = self._read_entries(buckets, fields, packed, walk)
         if len(raws) > len(fps) or (not walk and len(raws) != len(fps)):
             raise IndexBackendError(
                 f"redis index {self.url}: {len(raws)} values for {len(fps)} fingerprints"
