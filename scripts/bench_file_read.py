@@ -13,7 +13,6 @@ every byte costs: both copy each byte once from the page cache, kvcloud also has
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -51,7 +50,7 @@ def main() -> None:
         landing = [np.empty(size, dtype=np.uint8) for size in sizes]
         for buf in landing:
             buf.fill(0)
-        threads = int(getattr(kv.store, "threads", 0) or max(2, os.cpu_count() or 2))
+        threads = kv.store.max_workers  # the store's own read threads
         pool = ThreadPoolExecutor(max_workers=threads)
 
         def kvcloud_pull() -> None:
