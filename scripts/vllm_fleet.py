@@ -29,6 +29,8 @@ VLLM_PYTHON = Path(os.environ.get("KVCLOUD_VLLM_PYTHON", ROOT / ".venv-vllm" / "
 SMOLLM2 = Path(
     os.environ.get("KVCLOUD_SMOLLM2", ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct")
 )
+# a seeded random rank-8 LoRA adapter for SmolLM2 (scripts/build_lora.py, make install-vllm)
+LORA = Path(os.environ.get("KVCLOUD_LORA", ROOT / ".cache" / "models" / "smollm2-lora-r8"))
 CACHE = ROOT / ".cache" / "vllm"
 
 

@@ -1,15 +1,19 @@
-"""The vLLM connector's worker side without vLLM: pulls from a real file store into paged
-caches laid out like vLLM's CPU backend, layer by layer, as a forward pass would ask.
+"""The vLLM connector's worker side without vLLM: asynchronous restores from a real file
+store into paged caches laid out like vLLM's CPU backend, reported as vLLM polls for them.
 
 Checked: what is written is bit for bit what was pushed, through vLLM's block ids (out of
-order, some held by vLLM already); no byte of a chunk that fails verification reaches the
-cache (DESIGN §4.3), and it and every chunk after it are reported for recompute in the same
-step; a layer the forward pass never asked for fails the restore; the staging memory is
+order, some held by vLLM already, the null block of a sliding window skipped); no byte of a
+chunk that fails verification reaches the cache (DESIGN §4.3), and it and every chunk after it
+are reported for recompute in the pass that reports the restore finished; a restore past
+``load_timeout`` is abandoned and can no longer touch vLLM's blocks; a failing store opens the
+breaker, which refuses loads at once and tells the scheduler side; the staging memory is
 reused.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -31,7 +35,9 @@ N_BLOCKS = 12
 N_CHUNKS = 4
 
 
-def setup(tmp_path: Path, **cfg: object) -> tuple[WorkerSide, KVCloud, np.ndarray, LoadSpec]:
+def setup(
+    tmp_path: Path, block_ids: list[list[int]] | None = None, **cfg: object
+) -> tuple[WorkerSide, KVCloud, np.ndarray, LoadSpec]:
     ns = make_ns("float32")  # 2 layers, 2 heads × 8, 16-token chunks
     c = ns.chunk_tokens
     kvc = KVCloud.open(store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db", secret="s")
@@ -51,7 +57,7 @@ def setup(tmp_path: Path, **cfg: object) -> tuple[WorkerSide, KVCloud, np.ndarra
         ws.layer_index[name] = layer
         ws.layouts[name] = learn_layout(write, cache, N_BLOCKS, BS, ns.num_kv_heads, ns.head_dim)
     # blocks out of order, and the first block already held by vLLM (-1: left alone)
-    block_ids = [[-1, 11], [3, 2], [7, 8], [1, 0]]
+    block_ids = block_ids or [[-1, 11], [3, 2], [7, 8], [1, 4]]
     chunks = [
         LoadChunk(ref.position, ref.fp, ref.parent, ref.entry.object_key, ref.entry.size, ids)
         for ref, ids in zip(m.chunks, block_ids, strict=True)
@@ -59,13 +65,25 @@ def setup(tmp_path: Path, **cfg: object) -> tuple[WorkerSide, KVCloud, np.ndarra
     return ws, kvc, kv, LoadSpec("req-1", "default", chunks)
 
 
+def finish(ws: WorkerSide, req_id: str, timeout: float = 30.0) -> set[int]:
+    """What vLLM does after each step until the restore is reported: ask what finished,
+    then which blocks failed (in that order, as the model runner does)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        _, done = ws.get_finished(set())
+        failed = ws.get_block_ids_with_load_errors()
+        if done and req_id in done:
+            return failed
+        assert not failed, "failed blocks reported before the restore was"
+        assert time.monotonic() < deadline, "the restore was never reported"
+        time.sleep(0.002)
+
+
 def step(ws: WorkerSide, spec: LoadSpec) -> set[int]:
-    """What vLLM does around one forward pass with a synchronous load."""
+    """One asynchronous restore, start to report."""
     ws.start_load_kv(SimpleNamespace(loads=[spec], saves=[]))  # type: ignore[arg-type]
-    for name in ws.layer_index:
-        ws.wait_for_layer_load(name)
     ws.wait_for_save()
-    return ws.get_block_ids_with_load_errors()
+    return finish(ws, spec.req_id)
 
 
 def assert_blocks_hold(ws: WorkerSide, kv: np.ndarray, spec: LoadSpec, chunks: range) -> None:
@@ -115,15 +133,100 @@ def test_a_bad_chunk_and_all_after_it_are_reported_in_the_same_step(
     assert stats["load_failed_blocks"] == len(failed) and stats["loaded_tokens"] == BS
 
 
-def test_a_layer_never_asked_for_fails_the_restore(tmp_path: Path) -> None:
-    """If the forward pass skipped a layer's wait, that layer was never written: report it."""
-    ws, _, _, spec = setup(tmp_path)
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_restore_past_its_deadline_is_abandoned_and_never_writes(tmp_path: Path) -> None:
+    """A hung store: the restore is reported failed at its deadline, and when the pull ends
+    later, nothing reaches vLLM's blocks (vLLM may have given them to another request)."""
+    ws, kvc, _, spec = setup(tmp_path, load_timeout=1.0)
+    clock = _Clock()
+    ws._clock = clock
+    gate = threading.Event()
+    real_open = kvc.store.open_read
+
+    def hung_open(key: str):  # type: ignore[no-untyped-def]
+        gate.wait(10)
+        return real_open(key)
+
+    kvc.store.open_read = hung_open  # type: ignore[method-assign]
     ws.start_load_kv(SimpleNamespace(loads=[spec], saves=[]))  # type: ignore[arg-type]
-    ws.wait_for_layer_load("model.layers.0.self_attn.attn")
-    ws.wait_for_save()
+    assert ws.get_finished(set()) == (None, None)  # still pulling, deadline not reached
+    clock.t += 1.5
+    _, done = ws.get_finished(set())
+    assert done == {spec.req_id}
     assert ws.get_block_ids_with_load_errors() == {
         b for ch in spec.chunks for b in ch.block_ids if b >= 0
     }
+    gate.set()
+    ws._pool.shutdown(wait=True)
+    for cache in ws.caches.values():
+        assert not cache.any(), "an abandoned restore wrote into vLLM's blocks"
+    stats = ws.take_stats()
+    assert stats["load_timeouts"] == 1
+    # the object is remembered: the scheduler side hears of it
+    meta = ws.build_worker_meta()
+    assert meta is not None and spec.chunks[0].object_key in meta.bad_objects
+
+
+def test_a_failing_store_opens_the_breaker_and_loads_are_refused_at_once(
+    tmp_path: Path,
+) -> None:
+    from kvcloud.errors import StoreUnavailableError
+
+    ws, kvc, kv, spec = setup(tmp_path, breaker_failures=2, breaker_backoff=5.0)
+    clock = _Clock()
+    ws._clock = clock
+    ws.store_breaker._clock = clock
+    calls = []
+    real_open = kvc.store.open_read
+
+    def refused(key: str):  # type: ignore[no-untyped-def]
+        calls.append(key)
+        raise StoreUnavailableError("connection refused")
+
+    kvc.store.open_read = refused  # type: ignore[method-assign]
+    every = {b for ch in spec.chunks for b in ch.block_ids if b >= 0}
+    for i in range(2):
+        spec.req_id = f"r{i}"
+        ws._bad_objects.clear()  # a fresh failure each time, not the remembered one
+        assert step(ws, spec) == every
+    assert ws.store_breaker.is_open
+    meta = ws.build_worker_meta()
+    assert meta is not None and meta.store_retry_in > 0 and not meta.store_ok
+    n = len(calls)
+    spec.req_id = "r-refused"
+    ws._bad_objects.clear()
+    t0 = time.perf_counter()
+    assert step(ws, spec) == every
+    assert time.perf_counter() - t0 < 0.05
+    assert len(calls) == n, "the open breaker let a load reach the store"
+    assert ws.take_stats()["store_breaker_open"] == 1
+    # after the backoff one probe goes; the store is back, so it closes
+    kvc.store.open_read = real_open  # type: ignore[method-assign]
+    clock.t += 6
+    spec.req_id = "r-probe"
+    ws._bad_objects.clear()
+    assert step(ws, spec) == set()
+    assert not ws.store_breaker.is_open
+    assert_blocks_hold(ws, kv, spec, range(N_CHUNKS))
+    meta = ws.build_worker_meta()
+    assert meta is not None and meta.store_ok
+
+
+def test_the_null_block_of_a_sliding_window_is_never_written(tmp_path: Path) -> None:
+    # chunk 0 is out of the window: both its blocks are vLLM's null block (id 0)
+    ws, _, kv, spec = setup(tmp_path, block_ids=[[0, 0], [3, 2], [7, 8], [1, 4]])
+    assert step(ws, spec) == set()
+    for cache in ws.caches.values():
+        assert not cache[0].any()
+    assert_blocks_hold(ws, kv, spec, range(1, N_CHUNKS))
+    assert ws.take_stats()["loaded_tokens"] == 6 * BS
 
 
 def test_staging_is_reused_and_stays_correct(tmp_path: Path) -> None:

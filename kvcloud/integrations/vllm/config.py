@@ -48,9 +48,40 @@ class VLLMConnectorConfig:
     read. (vLLM does not tell a connector when it evicts a block, so write-back on eviction,
     the kvcloud worker's default, is not available here.)"""
 
-    load_timeout: float = field(default=10.0, metadata={"env": "KVCLOUD_LOAD_TIMEOUT"})
-    """Seconds a forward pass waits for a restore before giving up on it; the blocks not
-    loaded by then are recomputed."""
+    load_timeout: float = field(default=2.0, metadata={"env": "KVCLOUD_LOAD_TIMEOUT"})
+    """Seconds a request waits for its restore before giving up on it; the blocks not loaded
+    by then are recomputed. Loads are asynchronous: only the request being restored waits,
+    never the requests already decoding."""
+
+    lookup_wait_ms: float = field(default=2.0, metadata={"env": "KVCLOUD_LOOKUP_WAIT_MS"})
+    """Milliseconds the scheduler waits for a request's index lookup in one step (a healthy
+    lookup answers in well under one). A lookup still out after that is asked about again at
+    the next step while the engine goes on with every other request."""
+
+    lookup_timeout: float = field(default=1.0, metadata={"env": "KVCLOUD_LOOKUP_TIMEOUT"})
+    """Seconds a new request waits for its lookup in all; after that it runs as a miss and
+    the lookup counts as a failure of the index."""
+
+    breaker_failures: int = field(default=3, metadata={"env": "KVCLOUD_BREAKER_FAILURES"})
+    """Consecutive failures (errors or timeouts) of the index, or of the store, after which
+    no request touches it for a backoff window."""
+
+    breaker_backoff: float = field(default=1.0, metadata={"env": "KVCLOUD_BREAKER_BACKOFF"})
+    """Seconds of the first backoff window; after it one probe goes through, and each failed
+    probe doubles the window."""
+
+    breaker_max_backoff: float = field(
+        default=30.0, metadata={"env": "KVCLOUD_BREAKER_MAX_BACKOFF"}
+    )
+    """Longest backoff window, in seconds."""
+
+    failure_memory: float = field(default=60.0, metadata={"env": "KVCLOUD_FAILURE_MEMORY"})
+    """Seconds an object whose pull failed or timed out is remembered: requests are not
+    offered it (or anything after it in their prompt) meanwhile."""
+
+    load_threads: int = field(default=4, metadata={"env": "KVCLOUD_LOAD_THREADS"})
+    """Restores in flight at once per worker (each pulls its chunks in parallel); uploads
+    have their own client and threads, so they never delay a load."""
 
     upload_queue: int = field(default=64, metadata={"env": "KVCLOUD_UPLOAD_QUEUE"})
     """Chunks waiting for upload at most; when full, new ones are dropped and counted."""
@@ -101,7 +132,13 @@ class VLLMConnectorConfig:
         return cls(**values)
 
     def __post_init__(self) -> None:
-        for name in ("chunk_tokens", "upload_queue", "max_connections"):
+        for name in (
+            "chunk_tokens",
+            "upload_queue",
+            "max_connections",
+            "breaker_failures",
+            "load_threads",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -111,10 +148,22 @@ class VLLMConnectorConfig:
             or (self.staging_mib < 0)
         ):
             raise ConfigError(f"staging_mib must be an integer >= 0, got {self.staging_mib!r}")
-        for name in ("load_timeout", "connect_timeout", "read_timeout"):
+        for name in (
+            "load_timeout",
+            "lookup_timeout",
+            "connect_timeout",
+            "read_timeout",
+            "breaker_backoff",
+            "breaker_max_backoff",
+            "failure_memory",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value <= 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        if not isinstance(self.lookup_wait_ms, int | float) or self.lookup_wait_ms < 0:
+            raise ConfigError(f"lookup_wait_ms must be >= 0, got {self.lookup_wait_ms!r}")
+        if self.breaker_max_backoff < self.breaker_backoff:
+            raise ConfigError("breaker_max_backoff must be >= breaker_backoff")
         if self.write_policy not in WRITE_POLICIES:
             raise ConfigError(
                 f"write_policy {self.write_policy!r}: use one of {', '.join(WRITE_POLICIES)}"

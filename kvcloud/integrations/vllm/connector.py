@@ -23,8 +23,14 @@ from ...client import KVCloud
 from ...errors import KVCloudError
 from .config import VLLMConnectorConfig
 from .keys import check_supported, vllm_namespace
-from .metadata import KVCloudConnectorMetadata, KVCloudConnectorStats, KVCloudPromMetrics
+from .metadata import (
+    GAUGES,
+    KVCloudConnectorMetadata,
+    KVCloudConnectorStats,
+    KVCloudPromMetrics,
+)
 from .scheduler import SchedulerSide
+from .specs import KVCloudWorkerMeta
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -73,6 +79,12 @@ class KVCloudConnector(KVConnectorBase_V1):
             check_supported(vllm_config, kv_cache_config)
             ns = vllm_namespace(vllm_config, cfg)
             client = KVCloud.open(config=cfg.client_config())
+            # uploads get a client of their own (connections, threads): never in a load's way
+            upload_client = (
+                KVCloud.open(config=cfg.client_config())
+                if role != KVConnectorRole.SCHEDULER and cfg.write_policy != "off"
+                else None
+            )
         except KVCloudError as exc:
             # one line that says what to change; vLLM then stops the engine
             msg = f"kvcloud connector cannot start: {exc}"
@@ -86,7 +98,9 @@ class KVCloudConnector(KVConnectorBase_V1):
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
             self._scheduler = SchedulerSide(cfg, ns, client, block_size)
         else:
-            self._worker = WorkerSide(cfg, ns, client, vllm_config, kv_cache_config)
+            self._worker = WorkerSide(
+                cfg, ns, client, vllm_config, kv_cache_config, upload_client=upload_client
+            )
         log.info(
             "kvcloud connector (%s): store %s, index %s, namespace %s (%s, %d layers, "
             "%d KV heads × %d, %s, chunk %d tokens), writes %s",
@@ -134,8 +148,20 @@ class KVCloudConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.wait_for_save()
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        try:
+            return self._worker.get_finished(finished_req_ids)
+        except Exception as exc:  # a bug here must not kill the engine; loads stay pending
+            log.warning("kvcloud: checking finished restores: %s", exc)
+            return None, None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set() if self._worker is None else self._worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVCloudWorkerMeta | None:
+        return None if self._worker is None else self._worker.build_worker_meta()
 
     def get_kv_connector_stats(self) -> KVCloudConnectorStats | None:
         side = self._worker or self._scheduler
@@ -148,14 +174,17 @@ class KVCloudConnector(KVConnectorBase_V1):
             if delta:
                 data[name] += delta
                 self._client_seen[name] = totals.get(name, 0)
-        if not any(data.values()):
+        data = {k: v for k, v in data.items() if v or k in GAUGES}
+        if not data:
             return None
-        return KVCloudConnectorStats(data=dict(data))
+        return KVCloudConnectorStats(data=data)
 
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
         else:
+            if self._scheduler is not None:
+                self._scheduler.shutdown()
             try:
                 self.client.close()
             except KVCloudError as exc:
@@ -163,23 +192,35 @@ class KVCloudConnector(KVConnectorBase_V1):
 
     # -- scheduler side ---------------------------------------------------------------------
 
+    def on_new_request(self, request: Any) -> None:
+        if self._scheduler is not None:
+            try:
+                self._scheduler.on_new_request(request)
+            except Exception as exc:  # the lookup is retried when vLLM asks for the hit
+                log.warning("kvcloud: starting the lookup of %s: %s", request.request_id, exc)
+
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         try:
-            return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens), False
+            return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
         except Exception as exc:  # a lookup problem is a miss, never a failed request
             log.warning("kvcloud lookup for %s failed: %s", request.request_id, exc)
             return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
         assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, num_external_tokens)
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta(scheduler_output)
+        step = self._scheduler.build_connector_meta(scheduler_output)
+        return KVCloudConnectorMetadata(loads=step.loads, saves=step.saves)
 
     def request_finished(
         self, request: Any, block_ids: list[int]

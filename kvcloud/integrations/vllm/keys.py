@@ -25,22 +25,51 @@ LAYOUT_VERSION = "vllm-kv-v1"
 _DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
 
-def checkpoint_digest(model: str, revision: str | None = None) -> str:
-    """SHA-256 over a local checkpoint's weight files and config.json (names and bytes); for a
-    hub id, the id and revision (vLLM pins the files it downloads by revision)."""
-    path = Path(model)
-    if not path.is_dir():
-        return "hub:" + hashlib.sha256(f"{model}@{revision or 'main'}".encode()).hexdigest()
-    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+def _digest_files(folder: Path) -> str:
+    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
     if not files:
-        raise ConfigError(f"{model}: no weight files (*.safetensors, *.bin) to pin the namespace")
-    config = path / "config.json"
+        raise ConfigError(f"{folder}: no weight files (*.safetensors, *.bin) to pin the namespace")
+    config = folder / "config.json"
     h = hashlib.sha256()
     for f in [*files, *([config] if config.is_file() else [])]:
         h.update(f.name.encode() + b"\0")
         with open(f, "rb") as fh:
             h.update(hashlib.file_digest(fh, "sha256").digest())
     return "sha256-" + h.hexdigest()
+
+
+def _hub_snapshot(model: str, revision: str | None) -> Path | None:
+    """The local snapshot folder vLLM loads a hub model from (its name is the commit)."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        return None
+    try:
+        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+    except Exception:  # not downloaded (yet), or not a hub id: the caller says what to do
+        return None
+
+
+def checkpoint_digest(model: str, revision: str | None = None) -> str:
+    """SHA-256 over a checkpoint's weight files and config.json (names and bytes).
+
+    A local folder is read as it is. A hub id is resolved to the snapshot vLLM loads (the
+    revision — a branch such as ``main`` moves — is resolved to its commit by the local hub
+    cache) and that snapshot's files are digested, so a branch that moved to other weights
+    is another namespace. A hub model with no local snapshot cannot be pinned: set
+    ``weights_digest``.
+    """
+    path = Path(model)
+    if path.is_dir():
+        return _digest_files(path)
+    snapshot = _hub_snapshot(model, revision)
+    if snapshot is None:
+        raise ConfigError(
+            f"{model}@{revision or 'main'}: no local snapshot of this hub model to pin the "
+            "namespace to (a branch name moves); download it first, or set "
+            "kv_connector_extra_config.weights_digest (KVCLOUD_WEIGHTS_DIGEST)"
+        )
+    return _digest_files(snapshot)
 
 
 def kv_dtype_name(vllm_config: Any) -> str:
@@ -59,6 +88,11 @@ def kv_dtype_name(vllm_config: Any) -> str:
     return name
 
 
+# speculative methods whose drafter brings KV layers of its own (the connector would find
+# more cache layers than the target model has); ngram and suffix need no drafter KV
+_DRAFT_METHODS = ("eagle", "eagle3", "draft_model", "mtp", "medusa", "mlp_speculator")
+
+
 def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
     """Refuse, at start, what the connector would get wrong."""
     pc = vllm_config.parallel_config
@@ -69,12 +103,30 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
         )
     if getattr(vllm_config.model_config, "use_mla", False):
         raise ConfigError("the kvcloud connector does not support MLA attention caches yet")
+    spec = getattr(vllm_config, "speculative_config", None)
+    method = str(getattr(spec, "method", "") or "") if spec is not None else ""
+    if method in _DRAFT_METHODS or (method and getattr(spec, "model", None)):
+        raise ConfigError(
+            f"speculative decoding with a draft model ({method}): its KV layers would be "
+            "stored as if they were the target model's; the kvcloud connector supports "
+            "draft-free speculative decoding (ngram) only"
+        )
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     if len(groups) > 1:
         raise ConfigError(
             f"the model has {len(groups)} KV cache groups (hybrid or sliding-window layers); "
             "the kvcloud connector supports one group of full-attention layers"
         )
+
+
+def sliding_window(kv_cache_config: Any) -> int | None:
+    """The window of the one KV cache group when its layers slide (their blocks out of the
+    window become vLLM's shared null block), else None."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if not groups:
+        return None
+    window = getattr(groups[0].kv_cache_spec, "sliding_window", None)
+    return int(window) if window else None
 
 
 def vllm_namespace(vllm_config: Any, cfg: VLLMConnectorConfig) -> Namespace:
@@ -86,6 +138,17 @@ def vllm_namespace(vllm_config: Any, cfg: VLLMConnectorConfig) -> Namespace:
         "compute_dtype": dtype_name(mc.dtype),
         "quantization": str(getattr(mc, "quantization", None)),
     }
+    # settings that change the KV bytes for the same weights and tokens; added only when
+    # set, so the namespace of a plain deployment stays what it was
+    overrides = getattr(mc, "hf_overrides", None)
+    if overrides and not callable(overrides):
+        extra["hf_overrides"] = json.dumps(overrides, sort_keys=True, default=str)
+    elif callable(overrides):
+        # a function cannot be compared across processes: pin what it produced instead
+        extra["hf_config"] = hashlib.sha256(hf.to_json_string().encode()).hexdigest()
+    impl = str(getattr(mc, "model_impl", "auto") or "auto")
+    if impl not in ("auto", "vllm", "ModelImpl.AUTO", "ModelImpl.VLLM"):
+        extra["model_impl"] = impl
     return Namespace(
         model=f"vllm/{getattr(hf, 'model_type', 'unknown')}",
         num_layers=int(mc.get_num_layers(pc)),
@@ -106,3 +169,82 @@ def request_tenant(base: str, cache_salt: str | None) -> str:
         return base
     salt = hashlib.sha256(cache_salt.encode("utf-8")).hexdigest()[:32]
     return f"{base}#salt={salt}"
+
+
+# -- what else vLLM's block hash covers ---------------------------------------------------------
+
+_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+_adapter_digests: dict[tuple[str, int, int], str] = {}
+
+
+def adapter_digest(path: str) -> str:
+    """SHA-256 over a LoRA adapter's config and weight files (names and bytes), cached by
+    path, size and mtime: an adapter name re-pointed at other weights gets another digest."""
+    folder = Path(path)
+    files = [folder / name for name in _ADAPTER_FILES if (folder / name).is_file()]
+    if not files:
+        raise ConfigError(f"LoRA adapter {path!r}: no adapter files to digest")
+    stat = [f.stat() for f in files]
+    cache_key = (
+        str(folder.resolve()),
+        sum(s.st_size for s in stat),
+        max(s.st_mtime_ns for s in stat),
+    )
+    digest = _adapter_digests.get(cache_key)
+    if digest is None:
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f.name.encode() + b"\0")
+            with open(f, "rb") as fh:
+                h.update(hashlib.file_digest(fh, "sha256").digest())
+        digest = _adapter_digests[cache_key] = h.hexdigest()
+    return digest
+
+
+class SkipRequest(Exception):
+    """This request's KV cannot be keyed by kvcloud (vLLM's cache would not share it either,
+    or kvcloud cannot tell): it runs without the connector. The message says why."""
+
+
+def request_scope(base: str, request: Any) -> str:
+    """The tenant a request's fingerprints are made with: everything besides the token ids
+    that vLLM's own block hash covers (``v1/core/kv_cache_utils.py``,
+    ``generate_block_hash_extra_keys``) is folded in, so two requests share KV in kvcloud only
+    where vLLM's prefix cache would share it too:
+
+    - ``cache_salt``;
+    - the LoRA adapter: its name and a digest of its weights (vLLM: name and path);
+    - multimodal inputs: each feature's identifier (vLLM's hash of the item) with its
+      placeholder position and length, for the whole prompt (vLLM keys only the blocks from
+      the item on; kvcloud's chain covers every chunk, so this is stricter, never looser).
+
+    Prompt embeddings have no token ids to fingerprint: ``SkipRequest``.
+    """
+    if getattr(request, "prompt_embeds", None) is not None:
+        raise SkipRequest("prompt embeddings (no token ids to fingerprint)")
+    tenant = request_tenant(base, getattr(request, "cache_salt", None))
+    parts: list[str] = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        path = getattr(lora, "lora_path", None) or getattr(lora, "path", None)
+        if not path:
+            raise SkipRequest(f"LoRA adapter {lora.lora_name!r} has no local path to digest")
+        try:
+            digest = adapter_digest(str(path))
+        except (OSError, ConfigError) as exc:
+            raise SkipRequest(f"LoRA adapter {lora.lora_name!r}: {exc}") from None
+        parts.append(f"lora={lora.lora_name}:{digest}")
+    features = getattr(request, "mm_features", None) or []
+    if features:
+        h = hashlib.sha256()
+        for feature in features:
+            ident = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None)
+            if not ident:
+                raise SkipRequest("a multimodal input without a hash")
+            pos = feature.mm_position
+            h.update(f"{ident}@{int(pos.offset)}+{int(pos.length)}\0".encode())
+        parts.append(f"mm={h.hexdigest()[:32]}")
+    if not parts:
+        return tenant
+    scope = hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+    return f"{tenant}#x={scope}"

@@ -31,11 +31,20 @@ class KVCloudConnectorMetadata(KVConnectorMetadata):
 COUNTERS: dict[str, str] = {
     "lookups": "kvcloud index lookups made by the scheduler",
     "lookup_errors": "lookups that failed (index unreachable): served as misses",
+    "lookup_timeouts": "lookups given up after lookup_timeout: served as misses",
+    "lookup_deferrals": "scheduler steps a new request waited for its lookup (others ran)",
+    "lookups_skipped": "requests not looked up because the index breaker was open",
+    "requests_skipped": "requests kvcloud cannot key (prompt embeddings): run without it",
+    "index_breaker_opened": "times the index circuit breaker opened",
+    "store_breaker_opened": "times the store circuit breaker opened",
+    "loads_skipped": "hits not offered because the store breaker was open",
+    "scheduler_us": "microseconds the connector spent on vLLM's scheduler thread",
     "hit_tokens": "prompt tokens offered to vLLM from kvcloud",
     "loaded_tokens": "tokens whose KV was loaded into vLLM blocks",
     "loaded_bytes": "object bytes pulled from the store",
     "load_failed_blocks": "blocks vLLM was told to recompute (load failed)",
     "load_timeouts": "restores that ran past load_timeout",
+    "loads_refused": "restores failed at once (store breaker open, object remembered bad)",
     "missing_objects": "objects named by the index but gone from the store",
     "verify_failures": "objects that failed verification (digest, header, decryption)",
     "store_errors": "store requests that failed (unreachable, timeout)",
@@ -47,6 +56,13 @@ COUNTERS: dict[str, str] = {
 }
 
 
+# states, reported when they change and exported as gauges (``vllm:kvcloud_<name>``)
+GAUGES: dict[str, str] = {
+    "index_breaker_open": "1 while the index circuit breaker is open (lookups are skipped)",
+    "store_breaker_open": "1 while the store circuit breaker is open (loads are skipped)",
+}
+
+
 @dataclass
 class KVCloudConnectorStats(KVConnectorStats):
     """Counter deltas since the last report; summed across workers and steps."""
@@ -55,16 +71,20 @@ class KVCloudConnectorStats(KVConnectorStats):
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        merged = Counter(self.data)
-        merged.update(other.data)
-        self.data = dict(merged)
+        merged = Counter({k: v for k, v in self.data.items() if k not in GAUGES})
+        merged.update({k: v for k, v in other.data.items() if k not in GAUGES})
+        gauges = {k: max(self.data.get(k, 0), other.data.get(k, 0)) for k in GAUGES}
+        self.data = {
+            **dict(merged),
+            **{k: v for k, v in gauges.items() if k in self.data or k in other.data},
+        }
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {k: v for k, v in sorted(self.data.items()) if v}
+        return {k: v for k, v in sorted(self.data.items()) if v or k in GAUGES}
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not self.data
 
 
 class KVCloudPromMetrics(KVConnectorPromMetrics):
@@ -80,9 +100,22 @@ class KVCloudPromMetrics(KVConnectorPromMetrics):
             self._counters[name] = {
                 idx: counter.labels(*values) for idx, values in per_engine.items()
             }
+        self._gauges: dict[str, dict[int, Any]] = {}
+        for name, doc in GAUGES.items():
+            gauge = self._gauge_cls(
+                name=f"vllm:kvcloud_{name}",
+                documentation=doc,
+                labelnames=labelnames,
+                multiprocess_mode="mostrecent",
+            )
+            self._gauges[name] = {idx: gauge.labels(*values) for idx, values in per_engine.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():
+            gauge = self._gauges.get(name)
+            if gauge is not None and engine_idx in gauge:
+                gauge[engine_idx].set(value)
+                continue
             per_engine = self._counters.get(name)
             if per_engine is not None and value and engine_idx in per_engine:
                 per_engine[engine_idx].inc(value)

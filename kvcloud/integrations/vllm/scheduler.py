@@ -1,29 +1,43 @@
 """Scheduler side: decide what each request loads from kvcloud and which chunks it pushes.
 
-Cheap and tensor-free. One kvcloud index lookup per request (cached, because vLLM may ask
-again), made with the fingerprints of the prompt's full chunks; the hit offered to vLLM is
-the run of stored chunks beyond vLLM's own prefix-cache hit, cut at the last vLLM block
-before the prompt's final token (vLLM must compute at least one token to sample from).
-Loads are synchronous: the blocks are filled during the forward pass that consumes them,
-layer by layer, which gives the best TTFT on an engine that is not already busy (an
-asynchronous load costs at least one extra engine step before the request runs) — and a
-load can never stall longer than ``load_timeout``.
+Tensor-free, and it never waits on the network for more than ``lookup_wait_ms`` per step
+(DESIGN §4, invariant 7):
+
+- **Lookups run on their own threads.** A request's lookup starts when vLLM first sees the
+  request (``on_new_request``). When vLLM asks for its hit, the answer is usually there; if
+  not, ``get_num_new_matched_tokens`` answers ``None`` ("ask again next step") and vLLM
+  schedules every other request meanwhile. A lookup out longer than ``lookup_timeout`` is a
+  miss for that request alone.
+- **A circuit breaker on the index.** Consecutive failed or timed-out lookups open it; while
+  it is open no request touches the index (a miss at once), until one probe succeeds.
+- **Loads are asynchronous** (``load_kv_async``): the request waits in vLLM's
+  WAITING_FOR_REMOTE_KVS state while its chunks are pulled, verified and written into its
+  blocks off the forward pass; the requests already running keep decoding. A store the
+  workers report as failing (their own breaker) gets no loads offered, and objects whose pull
+  failed or timed out are not offered again for ``failure_memory`` seconds.
+
+The hit offered to vLLM is the run of stored chunks beyond vLLM's own prefix-cache hit, cut
+at the last vLLM block before the prompt's final token (vLLM must compute at least one token
+to sample from). Keys cover everything vLLM's own block hash covers (keys.request_scope); a
+request kvcloud cannot key runs without it, counted.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...breaker import CircuitBreaker
 from ...client import KVCloud, Match
 from ...namespace import Namespace
 from .config import VLLMConnectorConfig
-from .keys import request_tenant
-from .metadata import KVCloudConnectorMetadata
-from .specs import LoadChunk, LoadSpec, SaveChunk, SaveSpec
+from .keys import SkipRequest, request_scope
+from .specs import KVCloudWorkerMeta, LoadChunk, LoadSpec, SaveChunk, SaveSpec, StepSpec
 
 log = logging.getLogger("vllm.kvcloud")
 
@@ -34,9 +48,18 @@ class _Plan:
 
     tenant: str
     fps: list[bytes]  # every full chunk of the prompt
-    match: Match
+    match: Match | None  # None: no hit (miss, failure, skipped)
     local: int = 0  # vLLM's own hit when the load was offered
     external: int = 0  # tokens offered beyond it
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Pending:
+    """A lookup in flight."""
+
+    future: cf.Future[_Plan]
+    started: float
 
 
 @dataclass
@@ -51,73 +74,198 @@ class _Saving:
 
 class SchedulerSide:
     def __init__(
-        self, cfg: VLLMConnectorConfig, ns: Namespace, client: KVCloud, block_size: int
+        self,
+        cfg: VLLMConnectorConfig,
+        ns: Namespace,
+        client: KVCloud,
+        block_size: int,
+        clock: Any = time.monotonic,
     ) -> None:
         self.cfg = cfg
         self.ns = ns
         self.client = client
         self.block_size = block_size
+        self._clock = clock
         self._plans: dict[str, _Plan] = {}
+        self._pending: dict[str, _Pending] = {}
         self._loads: dict[str, _Plan] = {}  # offered and allocated, not yet in metadata
         self._saving: dict[str, _Saving] = {}
         self.stats: Counter[str] = Counter()
+        self._stats_lock = threading.Lock()  # lookup threads count too
+        self.index_breaker = CircuitBreaker(
+            "index",
+            threshold=cfg.breaker_failures,
+            backoff=cfg.breaker_backoff,
+            max_backoff=cfg.breaker_max_backoff,
+            clock=clock,
+            on_change=self._breaker_changed,
+        )
+        self._lookups = cf.ThreadPoolExecutor(4, thread_name_prefix="kvcloud-lookup")
+        # what the workers report: objects not to offer, and until when the store is out
+        self._bad_objects: dict[str, float] = {}
+        self._store_out_until = 0.0
+        self._index_gauge = 0  # last value of the index_breaker_open gauge reported
+        self._scheduler_ns = 0  # time spent in this class's calls on vLLM's thread
+
+    def count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            self.stats.update(deltas)
+
+    def _breaker_changed(self, old: str, new: str) -> None:
+        if new == "open":
+            self.count(index_breaker_opened=1)
 
     # -- lookups ----------------------------------------------------------------------------
 
-    def _plan(self, request: Any) -> _Plan:
-        plan = self._plans.get(request.request_id)
-        if plan is not None:
+    def request_scope_of(self, request: Any) -> str:
+        """The tenant a request's fingerprints are made with (keys.request_scope)."""
+        return request_scope(self.cfg.tenant, request)
+
+    def on_new_request(self, request: Any) -> None:
+        t0 = time.perf_counter_ns()
+        try:
+            if request.prompt_token_ids and request.request_id not in self._pending:
+                self._start(request)
+        finally:
+            self._scheduler_ns += time.perf_counter_ns() - t0
+
+    def _start(self, request: Any) -> _Plan | None:
+        """Start the request's lookup; a plan at once when the index is not to be touched."""
+        rid = request.request_id
+        try:
+            tenant = request_scope(self.cfg.tenant, request)
+        except SkipRequest as exc:
+            self.count(requests_skipped=1)
+            log.info("kvcloud: request %s runs without kvcloud: %s", rid, exc)
+            plan = self._plans[rid] = _Plan("", [], None)
             return plan
-        tokens = list(request.prompt_token_ids or [])
-        tenant = request_tenant(self.cfg.tenant, getattr(request, "cache_salt", None))
-        fps = self.client.fingerprints(self.ns, tokens, tenant) if tokens else []
+        if not self.index_breaker.allow():
+            self.count(lookups_skipped=1)
+            plan = self._plans[rid] = _Plan(tenant, [], None)
+            return plan
+        tokens = list(request.prompt_token_ids)
+        future = self._lookups.submit(self._lookup, rid, tenant, tokens)
+        self._pending[rid] = _Pending(future, self._clock())
+        return None
+
+    def _lookup(self, rid: str, tenant: str, tokens: list[int]) -> _Plan:
+        """On a lookup thread: fingerprints, then one index round trip."""
         t0 = time.perf_counter()
-        errors_before = self.client.stats().get("index_errors", 0)
-        # every full chunk: the hit decides what is loaded and what is already stored
-        match = self.client.lookup_fingerprints(self.ns, fps, tenant=tenant)
-        self.stats["lookups"] += 1
-        if self.client.stats().get("index_errors", 0) > errors_before:
-            self.stats["lookup_errors"] += 1
+        fps = self.client.fingerprints(self.ns, tokens, tenant)
+        try:
+            # every full chunk: the hit decides what is loaded and what is already stored
+            match = self.client.lookup_fingerprints(self.ns, fps, tenant=tenant, strict=True)
+        except Exception as exc:  # any failure of the index is a miss, and counts
+            self.count(lookup_errors=1)
+            self.index_breaker.failure(type(exc).__name__)
+            log.debug("lookup %s failed: %s", rid, exc)
+            return _Plan(tenant, fps, None)
+        self.index_breaker.success()
         log.debug(
             "lookup %s: %d of %d chunks in kvcloud (%.1f ms)",
-            request.request_id,
+            rid,
             len(match.chunks),
             len(fps),
             (time.perf_counter() - t0) * 1000,
         )
-        plan = self._plans[request.request_id] = _Plan(tenant, fps, match)
+        return _Plan(tenant, fps, match)
+
+    def _resolve(self, request: Any) -> _Plan | None:
+        """The request's plan, or None while its lookup is still out (ask again later)."""
+        rid = request.request_id
+        plan = self._plans.get(rid)
+        if plan is not None:
+            return plan
+        pending = self._pending.get(rid)
+        if pending is None:
+            plan = self._start(request)
+            if plan is not None:
+                return plan
+            pending = self._pending[rid]
+        try:
+            plan = pending.future.result(timeout=self.cfg.lookup_wait_ms / 1000)
+        except cf.TimeoutError:
+            waited = self._clock() - pending.started
+            if waited < self.cfg.lookup_timeout and not self.index_breaker.is_open:
+                self.count(lookup_deferrals=1)
+                return None
+            # too long, or the index went down meanwhile: this request runs as a miss
+            self.count(lookup_timeouts=1)
+            if waited >= self.cfg.lookup_timeout:
+                self.index_breaker.failure("lookup timed out")
+            plan = _Plan("", [], None)
+        except Exception as exc:  # a bug in the lookup thread: a miss, never a failed request
+            log.warning("kvcloud lookup for %s failed: %s", rid, exc)
+            plan = _Plan("", [], None)
+        self._pending.pop(rid, None)
+        self.count(lookups=1)
+        self._plans[rid] = plan
         return plan
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        if not request.prompt_token_ids:
+    def _usable_chunks(self, plan: _Plan) -> int:
+        """Leading chunks of the hit that may be offered: the store is up and none of them is
+        an object a worker recently failed to pull."""
+        if plan.match is None or not plan.match.chunks:
             return 0
-        plan = self._plan(request)
+        now = self._clock()
+        if now < self._store_out_until:
+            self.count(loads_skipped=1)
+            return 0
+        n = 0
+        for ref in plan.match.chunks:
+            until = self._bad_objects.get(ref.entry.object_key)
+            if until is not None:
+                if until > now:
+                    break
+                del self._bad_objects[ref.entry.object_key]
+            n += 1
+        return n
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        t0 = time.perf_counter_ns()
+        try:
+            return self._matched(request, num_computed_tokens)
+        finally:
+            self._scheduler_ns += time.perf_counter_ns() - t0
+
+    def _matched(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not request.prompt_token_ids:
+            return 0, False
+        plan = self._resolve(request)
+        if plan is None:
+            return None, False
+        usable = self._usable_chunks(plan)
+        if usable == 0:
+            return 0, False
         # vLLM must compute at least the prompt's last token to sample from it. The hit ends
         # on a vLLM block boundary: of the last stored chunk it reaches, only the blocks
         # before that token are loaded (the object is pulled and verified whole), so a
         # prompt that is an exact multiple of the chunk recomputes one block, not one chunk.
         last_block = (len(request.prompt_token_ids) - 1) // self.block_size * self.block_size
-        hit = min(plan.match.tokens, last_block)
+        hit = min(usable * self.ns.chunk_tokens, last_block)
         external = hit - num_computed_tokens
         if external <= 0 or external < self.cfg.min_hit_tokens:
-            return 0
+            return 0, False
         plan.local, plan.external = num_computed_tokens, external
-        return external
+        return external, True
 
-    def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         plan = self._plans.get(request.request_id)
-        if plan is None or num_external_tokens <= 0:
+        if plan is None or num_external_tokens <= 0 or plan.external <= 0:
             return
-        if num_external_tokens != plan.external:
-            # vLLM may trim an offer from its end (to a block boundary): load exactly the
-            # blocks it now expects us to fill, and none that it will compute itself
-            plan.external = min(plan.external, num_external_tokens)
+        # vLLM may trim an offer from its end (to a block boundary): load exactly the
+        # blocks it now expects us to fill, and none that it will compute itself
+        plan.external = min(plan.external, num_external_tokens)
+        plan.block_ids = list(blocks.get_block_ids()[0])
         self._loads[request.request_id] = plan
-        self.stats["hit_tokens"] += num_external_tokens
+        self.count(hit_tokens=plan.external)
 
     # -- metadata ---------------------------------------------------------------------------
 
-    def _load_spec(self, req_id: str, plan: _Plan, block_ids: list[int]) -> LoadSpec:
+    def _load_spec(self, req_id: str, plan: _Plan) -> LoadSpec:
+        assert plan.match is not None
         c, bs = self.ns.chunk_tokens, self.block_size
         per_chunk = c // bs
         first_block = plan.local // bs
@@ -129,7 +277,7 @@ class SchedulerSide:
                 continue
             base = ref.position * per_chunk
             ids = [
-                block_ids[base + k] if first_block <= base + k < end_block else -1
+                plan.block_ids[base + k] if first_block <= base + k < end_block else -1
                 for k in range(per_chunk)
             ]
             chunks.append(
@@ -139,28 +287,42 @@ class SchedulerSide:
             )
         return LoadSpec(req_id, plan.tenant, chunks)
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVCloudConnectorMetadata:
-        meta = KVCloudConnectorMetadata()
+    def build_connector_meta(self, scheduler_output: Any) -> StepSpec:
+        t0 = time.perf_counter_ns()
+        try:
+            return self._build_meta(scheduler_output)
+        finally:
+            self._scheduler_ns += time.perf_counter_ns() - t0
+
+    def _build_meta(self, scheduler_output: Any) -> StepSpec:
+        meta = StepSpec()
+        # every load vLLM allocated blocks for since the last step, whether the request is
+        # new or resumed after a preemption (it waits for the load, not scheduled yet)
+        for req_id, plan in self._loads.items():
+            meta.loads.append(self._load_spec(req_id, plan))
+        self._loads.clear()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            block_ids = list(new.block_ids[0])
-            plan = self._loads.pop(new.req_id, None)
-            if plan is not None:
-                meta.loads.append(self._load_spec(new.req_id, plan, block_ids))
-            plan = plan or self._plans.get(new.req_id)
-            self._plans.pop(new.req_id, None)
-            if plan is None or self.cfg.write_policy == "off":
+            plan = self._plans.pop(new.req_id, None)
+            if plan is None or (plan.match is None and not plan.fps):
                 continue
-            saving = _Saving(plan.tenant, plan.fps, len(plan.match.chunks), block_ids)
+            if self.cfg.write_policy == "off" or new.req_id in self._saving:
+                continue
+            stored = len(plan.match.chunks) if plan.match is not None else 0
+            saving = _Saving(plan.tenant, plan.fps, stored, list(new.block_ids[0]))
             computed = new.num_computed_tokens + scheduled.get(new.req_id, 0)
             self._collect(new.req_id, saving, computed, meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
+            if req_id in cached.resumed_req_ids:
+                # a resumed request asked again for its hit; that plan is spent now
+                self._plans.pop(req_id, None)
             saving = self._saving.get(req_id)
             if saving is None:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
+                # after a preemption vLLM hands over the request's whole block list again
                 saving.block_ids = list(new_ids[0]) if new_ids is not None else []
             elif new_ids is not None:
                 saving.block_ids.extend(new_ids[0])
@@ -168,9 +330,7 @@ class SchedulerSide:
             self._collect(req_id, saving, computed, meta)
         return meta
 
-    def _collect(
-        self, req_id: str, saving: _Saving, computed: int, meta: KVCloudConnectorMetadata
-    ) -> None:
+    def _collect(self, req_id: str, saving: _Saving, computed: int, meta: StepSpec) -> None:
         """Save the prompt chunks this step completes."""
         c, bs = self.ns.chunk_tokens, self.block_size
         per_chunk = c // bs
@@ -190,13 +350,40 @@ class SchedulerSide:
         else:
             self._saving[req_id] = saving
 
+    # -- what the workers report ------------------------------------------------------------
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(meta, KVCloudWorkerMeta):
+            return
+        now = self._clock()
+        for key, seconds in meta.bad_objects.items():
+            self._bad_objects[key] = now + seconds
+        if meta.store_retry_in > 0:
+            self._store_out_until = max(self._store_out_until, now + meta.store_retry_in)
+        elif meta.store_ok:
+            self._store_out_until = 0.0
+        if len(self._bad_objects) > 4096:  # bounded: forget the ones that expired
+            self._bad_objects = {k: t for k, t in self._bad_objects.items() if t > now}
+
     def request_finished(self, request: Any) -> None:
         rid = request.request_id
         self._plans.pop(rid, None)
+        self._pending.pop(rid, None)
         self._loads.pop(rid, None)
         self._saving.pop(rid, None)
 
     def take_stats(self) -> dict[str, int]:
-        out = dict(self.stats)
-        self.stats.clear()
+        with self._stats_lock:
+            out = dict(self.stats)
+            self.stats.clear()
+        if self._scheduler_ns:
+            out["scheduler_us"] = self._scheduler_ns // 1000
+            self._scheduler_ns = 0
+        gauge = int(self.index_breaker.is_open)
+        if gauge != self._index_gauge:
+            out["index_breaker_open"] = self._index_gauge = gauge
         return out
+
+    def shutdown(self) -> None:
+        self._lookups.shutdown(wait=False, cancel_futures=True)

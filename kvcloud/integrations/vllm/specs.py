@@ -5,7 +5,7 @@ Plain data without vLLM types, so the worker side can be exercised without a vLL
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -40,3 +40,30 @@ class SaveSpec:
     req_id: str
     tenant: str
     chunks: list[SaveChunk]
+
+
+@dataclass
+class StepSpec:
+    """One step's loads and saves (the connector metadata carries exactly these)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class KVCloudWorkerMeta:
+    """What the workers tell the scheduler side after a step (vLLM's worker → scheduler
+    channel, ``KVConnectorWorkerMetadata``: vLLM only calls ``aggregate`` on it): objects
+    whose pull failed or timed out (not to be offered for that many seconds), and the store's
+    breaker (seconds until its next probe while open; ``store_ok`` once it closed again)."""
+
+    bad_objects: dict[str, float] = field(default_factory=dict)
+    store_retry_in: float = 0.0
+    store_ok: bool = False
+
+    def aggregate(self, other: KVCloudWorkerMeta) -> KVCloudWorkerMeta:
+        if isinstance(other, KVCloudWorkerMeta):
+            self.bad_objects.update(other.bad_objects)
+            self.store_retry_in = max(self.store_retry_in, other.store_retry_in)
+            self.store_ok = self.store_ok and other.store_ok
+        return self

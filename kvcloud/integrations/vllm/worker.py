@@ -1,19 +1,27 @@
 """Worker side: move KV between kvcloud objects and vLLM's paged blocks.
 
-Loads: ``start_load_kv`` starts pulling every matched object in parallel, each streamed
-straight into its own slice of a staging array in kvcloud's layout and hashed as it lands;
-each attention layer's ``wait_for_layer_load`` waits for the pulls (bounded by
-``load_timeout``) and writes only that layer of the verified chunks into the request's blocks,
-so the forward pass runs while later layers are still to be written. No byte of a chunk
-reaches vLLM's cache before the chunk is verified (DESIGN §4.3). A chunk that is missing,
-corrupt, late or unreachable — and every chunk after it — becomes a set of block ids reported
-through ``get_block_ids_with_load_errors``; vLLM then recomputes exactly those tokens.
-Nothing here raises into vLLM.
+Loads are asynchronous (the scheduler offers them with ``load_kv_async``), so nothing here
+ever makes a forward pass wait on the network. ``start_load_kv`` hands each restore to a load
+thread, which pulls every matched object in parallel, each streamed straight into its own
+slice of a staging array in kvcloud's layout and hashed as it lands, and then writes the
+verified chunks into the request's blocks — blocks no forward pass reads until vLLM is told the
+load is over. After each step ``get_finished`` reports the restores that are over: done, or
+past ``load_timeout`` (then abandoned: the thread may finish pulling into staging, but it can
+no longer touch vLLM's blocks). A chunk that is missing, corrupt, late or unreachable — and
+every chunk after it — is reported through ``get_block_ids_with_load_errors`` in that same
+pass, before the request is ever scheduled, so vLLM recomputes exactly those tokens. No byte
+of a chunk reaches vLLM's cache before the chunk is verified (DESIGN §4.3). Nothing here
+raises into vLLM.
+
+A circuit breaker on the store, and a memory of objects whose pull failed or timed out,
+keep a sick store from costing every request a timeout; both are reported to the scheduler
+side (``build_connector_worker_meta``) so it stops offering such loads at all.
 
 Saves: ``save_kv_layer`` copies each layer's slice of the chunks the step completed into a
 staging array right after the layer ran; ``wait_for_save`` hands whole chunks to a bounded
-background uploader (the kvcloud worker's policy: when the queue is full a chunk is dropped
-and counted, never waited for), which pushes them object first, entry second.
+background uploader with a kvcloud client of its own (its own connections and threads, so an
+upload never delays a load). When its queue is full a chunk is dropped and counted, never
+waited for; it pushes object first, entry second.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ...breaker import CircuitBreaker
 from ...client import ChunkRef, KVCloud, Match
 from ...errors import ConfigError, KVCloudError, LayoutError
 from ...indexes.base import IndexEntry
@@ -36,7 +45,7 @@ from ...namespace import Namespace
 from .._torch import to_numpy
 from .config import VLLMConnectorConfig
 from .layout import BlockLayout, learn_layout
-from .specs import LoadSpec, SaveSpec
+from .specs import KVCloudWorkerMeta, LoadSpec, SaveSpec
 from .uploader import Uploader
 
 if TYPE_CHECKING:
@@ -50,15 +59,22 @@ _TORCH_DTYPES = {
     "bfloat16": torch.bfloat16,
 }
 
+# vLLM's block pool hands out block 0 as the shared null block (v1/core/block_pool.py): the
+# placeholder a sliding-window request holds for blocks out of its window. Never written to,
+# never saved from.
+NULL_BLOCK = 0
+
 
 @dataclass
 class _Load:
     spec: LoadSpec
     staging: torch.Tensor  # [chunks, layers, 2, chunk_tokens, heads, dim]
-    future: cf.Future[int]
     deadline: float
-    ok_chunks: int = -1  # verified chunks (a prefix), known once the pull is over
-    layers_done: set[int] = field(default_factory=set)
+    future: cf.Future[int] | None = None  # chunks verified and written into vLLM's blocks
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    limit: int = 0  # chunks to pull: those before the first object remembered as bad
+    writing: bool = False  # the thread is writing into vLLM's blocks (can't be abandoned)
+    abandoned: bool = False  # reported as failed: the thread must not touch vLLM's blocks
 
 
 @dataclass
@@ -76,6 +92,8 @@ class WorkerSide:
         client: KVCloud,
         vllm_config: Any,
         kv_cache_config: Any,
+        upload_client: KVCloud | None = None,
+        clock: Any = time.monotonic,
     ) -> None:
         self.cfg = cfg
         self.ns = ns
@@ -83,22 +101,41 @@ class WorkerSide:
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.block_size = int(vllm_config.cache_config.block_size)
+        self._clock = clock
         self.stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
+        self.upload_client = upload_client
         self.uploader = (
-            Uploader(client, ns, cfg.upload_queue, self.count)
+            Uploader(upload_client or client, ns, cfg.upload_queue, self.count)
             if cfg.write_policy != "off"
             else None
         )
-        self._pool = cf.ThreadPoolExecutor(2, thread_name_prefix="kvcloud-load")
+        self._pool = cf.ThreadPoolExecutor(cfg.load_threads, thread_name_prefix="kvcloud-load")
         self.caches: dict[str, torch.Tensor] = {}
         self.layer_index: dict[str, int] = {}
         self.layouts: dict[str, BlockLayout] = {}
-        self._loads: list[_Load] = []
+        self._loads: dict[str, _Load] = {}  # by request id, until reported finished
         self._kept: torch.Tensor | None = None  # staging reused across restores
-        self._kept_users: list[cf.Future[int]] = []
+        self._kept_users: list[_Load] = []
         self._saves: list[_Save] = []
         self._failed_blocks: set[int] = set()
+        self.store_breaker = CircuitBreaker(
+            "store",
+            threshold=cfg.breaker_failures,
+            backoff=cfg.breaker_backoff,
+            max_backoff=cfg.breaker_max_backoff,
+            clock=clock,
+            on_change=self._breaker_changed,
+        )
+        self._bad_objects: dict[str, float] = {}  # object key -> until (clock)
+        self._new_bad: dict[str, float] = {}  # not yet reported to the scheduler
+        self._store_reported_open = False  # to the scheduler side
+        self._store_gauge = 0  # last value of the store_breaker_open gauge reported
+        self._meta_lock = threading.Lock()
+
+    def _breaker_changed(self, old: str, new: str) -> None:
+        if new == "open":
+            self.count(store_breaker_opened=1)
 
     def count(self, **deltas: int) -> None:
         with self._stats_lock:
@@ -151,27 +188,54 @@ class WorkerSide:
 
     def start_load_kv(self, meta: KVCloudConnectorMetadata) -> None:
         specs = [spec for spec in meta.loads if spec.chunks]
+        for spec in meta.loads:
+            if not spec.chunks:  # nothing to pull (cannot happen from our scheduler side)
+                self._loads[spec.req_id] = _Load(spec, torch.empty(0), 0.0)
         if not specs:
             return
         buf = self._staging(sum(len(spec.chunks) for spec in specs))
+        shared = self._kept is not None and buf.data_ptr() == self._kept.data_ptr()
         first = 0
         for spec in specs:
             # one contiguous [layers, 2, chunk_tokens, heads, dim] per chunk, so each
             # object streams straight in and is hashed as it lands
             staging = buf[first : first + len(spec.chunks)]
             first += len(spec.chunks)
-            future = self._pool.submit(self._pull, spec, staging)
-            if self._kept is not None and buf.data_ptr() == self._kept.data_ptr():
-                self._kept_users.append(future)
-            deadline = time.monotonic() + self.cfg.load_timeout
-            self._loads.append(_Load(spec, staging, future, deadline))
+            load = _Load(spec, staging, self._clock() + self.cfg.load_timeout)
+            self._loads[spec.req_id] = load
+            if shared:
+                self._kept_users.append(load)
+            load.limit = next(
+                (i for i, ch in enumerate(spec.chunks) if self._is_bad(ch.object_key)),
+                len(spec.chunks),
+            )
+            if load.limit == 0 or not self.store_breaker.allow():
+                self.count(loads_refused=1)
+                continue  # no future: reported failed at the next get_finished
+            load.future = self._pool.submit(self._restore, load)
+
+    def _is_bad(self, key: str) -> bool:
+        with self._meta_lock:
+            until = self._bad_objects.get(key)
+            if until is None:
+                return False
+            if until <= self._clock():
+                del self._bad_objects[key]
+                return False
+            return True
+
+    def _remember_bad(self, key: str) -> None:
+        until = self._clock() + self.cfg.failure_memory
+        with self._meta_lock:
+            self._bad_objects[key] = until
+            self._new_bad[key] = self.cfg.failure_memory
 
     def _staging(self, n_chunks: int) -> torch.Tensor:
         """Room for ``n_chunks`` pulled chunks: the kept buffer when it is free and big
-        enough (a timed-out pull may still be writing into it), else fresh memory."""
+        enough (an abandoned pull may still be writing into it), else fresh memory."""
         shape = (n_chunks, *self.ns.kv_shape(self.ns.chunk_tokens))
         dtype = _TORCH_DTYPES[self.ns.dtype]
-        free = all(f.done() for f in self._kept_users)
+        free = all(load.future is None or load.future.done() for load in self._kept_users)
         if free:
             self._kept_users = []
             kept = self._kept
@@ -183,15 +247,18 @@ class WorkerSide:
                 return self._kept
         return torch.empty(shape, dtype=dtype)
 
-    def _pull(self, spec: LoadSpec, staging: torch.Tensor) -> int:
+    def _restore(self, load: _Load) -> int:
+        """On a load thread: pull and verify into staging, then write into vLLM's blocks
+        unless the restore was abandoned meanwhile. Returns the chunks written."""
+        spec = load.spec
         c = self.ns.chunk_tokens
         refs = tuple(
             ChunkRef(ch.position, ch.fp, ch.parent, IndexEntry(ch.object_key, c, ch.size, 0.0))
-            for ch in spec.chunks
+            for ch in spec.chunks[: load.limit]
         )
         m = Match(self.ns, spec.tenant, refs, refs[-1].position + 1)
         started = time.monotonic()
-        res = self.client.pull_into(m, list(to_numpy(staging)))
+        res = self.client.pull_into(m, list(to_numpy(load.staging[: load.limit])))
         log.debug(
             "kvcloud: pulled %d of %d chunks (%d bytes) for %s in %.0f ms",
             res.chunks,
@@ -201,81 +268,109 @@ class WorkerSide:
             1e3 * (time.monotonic() - started),
         )
         self.count(loaded_bytes=res.bytes)
+        unreachable = [pos for pos, reason in res.failures if reason == "unavailable"]
+        if unreachable:
+            first = unreachable[0] - spec.chunks[0].position
+            self._remember_bad(spec.chunks[first].object_key)
+            self.store_breaker.failure("store errors")
+        elif res.chunks:
+            self.store_breaker.success()
+        with load.lock:
+            if load.abandoned:
+                return 0
+            load.writing = True
+        for name, layer in self.layer_index.items():
+            self._write_layer(load, name, layer, res.chunks)
         return res.chunks
 
-    def _settle(self, load: _Load) -> None:
-        """Wait (until the deadline) for a load's pulls; the verified chunks are a prefix."""
-        if load.ok_chunks >= 0:
-            return
-        try:
-            load.ok_chunks = load.future.result(max(0.0, load.deadline - time.monotonic()))
-        except cf.TimeoutError:
-            log.warning(
-                "kvcloud restore of %s ran past load_timeout (%.1fs): recomputing",
-                load.spec.req_id,
-                self.cfg.load_timeout,
-            )
-            self.count(load_timeouts=1)
-            load.ok_chunks = 0
-        except Exception as exc:
-            log.warning("kvcloud restore of %s failed: %s: recomputing", load.spec.req_id, exc)
-            load.ok_chunks = 0
-
-    def _write_layer(self, load: _Load, name: str) -> None:
-        layer = self.layer_index[name]
-        if layer in load.layers_done:
-            return
-        self._settle(load)
-        load.layers_done.add(layer)
+    def _write_layer(self, load: _Load, name: str, layer: int, n_chunks: int) -> None:
         bs = self.block_size
         cache, layout = self.caches[name], self.layouts[name]
-        for i, ch in enumerate(load.spec.chunks[: load.ok_chunks]):
+        for i, ch in enumerate(load.spec.chunks[:n_chunks]):
             kv = load.staging[i, layer]  # [2, chunk_tokens, heads, dim]
-            # blocks vLLM already holds are -1: write each run of the others in one go
+            # blocks vLLM already holds are -1, and a sliding window's blocks out of the
+            # window are the null block: write each run of the others in one go
             k = 0
-            while k < len(ch.block_ids):
-                if ch.block_ids[k] < 0:
+            ids = ch.block_ids
+            while k < len(ids):
+                if ids[k] < 0 or ids[k] == NULL_BLOCK:
                     k += 1
                     continue
                 end = k
-                while end < len(ch.block_ids) and ch.block_ids[end] >= 0:
+                while end < len(ids) and ids[end] >= 0 and ids[end] != NULL_BLOCK:
                     end += 1
-                layout.scatter(cache, ch.block_ids[k:end], kv[:, k * bs : end * bs])
+                layout.scatter(cache, ids[k:end], kv[:, k * bs : end * bs])
                 k = end
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if layer_name not in self.layer_index:
-            return
-        for load in self._loads:
-            try:
-                self._write_layer(load, layer_name)
-            except Exception as exc:  # never into vLLM: the blocks are recomputed instead
-                log.warning("kvcloud: could not write %s into vLLM's cache: %s", layer_name, exc)
-                load.ok_chunks = 0
+        return  # loads are asynchronous: a forward pass never reads a block being loaded
 
-    def _finish_loads(self) -> None:
-        """After the forward pass: report every chunk not verified and written in full."""
-        for load in self._loads:
-            self._settle(load)
-            ok = load.ok_chunks
-            if ok > 0 and len(load.layers_done) < self.ns.num_layers:
+    def _outcome(self, load: _Load, now: float) -> int | None:
+        """Chunks written for a finished restore; None while it is still running."""
+        future = load.future
+        if future is None:
+            return 0
+        if not future.done():
+            if now < load.deadline:
+                return None
+            with load.lock:
+                if not load.writing:
+                    load.abandoned = True
+            if load.abandoned:
                 log.warning(
-                    "kvcloud: only %d of %d layers of %s were written; recomputing",
-                    len(load.layers_done),
-                    self.ns.num_layers,
+                    "kvcloud restore of %s ran past load_timeout (%.1fs): recomputing",
                     load.spec.req_id,
+                    self.cfg.load_timeout,
                 )
-                ok = 0
+                self.count(load_timeouts=1)
+                self._remember_bad(load.spec.chunks[0].object_key)
+                self.store_breaker.failure("restore timed out")
+                return 0
+            # already writing into vLLM's blocks: a local copy, wait for it to end
+        try:
+            return future.result()
+        except Exception as exc:  # never into vLLM: the blocks are recomputed instead
+            log.warning("kvcloud restore of %s failed: %s: recomputing", load.spec.req_id, exc)
+            return 0
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The restores that are over (done, failed or abandoned), their failed blocks noted
+        for ``get_block_ids_with_load_errors`` in this same pass."""
+        if not self._loads:
+            return None, None
+        now = self._clock()
+        done: set[str] = set()
+        for req_id, load in list(self._loads.items()):
+            ok = self._outcome(load, now)
+            if ok is None:
+                continue
             chunks = load.spec.chunks
-            failed = [b for ch in chunks[ok:] for b in ch.block_ids if b >= 0]
-            loaded = sum(1 for ch in chunks[:ok] for b in ch.block_ids if b >= 0)
+            real = [[b for b in ch.block_ids if b >= 0 and b != NULL_BLOCK] for ch in chunks]
+            failed = [b for ids in real[ok:] for b in ids]
+            loaded = sum(len(ids) for ids in real[:ok])
             self._failed_blocks.update(failed)
             self.count(load_failed_blocks=len(failed), loaded_tokens=loaded * self.block_size)
-        self._loads = []
+            done.add(req_id)
+            del self._loads[req_id]
+        return None, (done or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
+
+    def build_worker_meta(self) -> KVCloudWorkerMeta | None:
+        """Tell the scheduler side what it should stop offering (only when it changed)."""
+        with self._meta_lock:
+            bad, self._new_bad = self._new_bad, {}
+        retry_in = self.store_breaker.retry_in()
+        is_open = self.store_breaker.is_open
+        changed = is_open != self._store_reported_open
+        self._store_reported_open = is_open
+        if not bad and not changed:
+            return None
+        return KVCloudWorkerMeta(
+            bad_objects=bad, store_retry_in=retry_in if is_open else 0.0, store_ok=not is_open
+        )
 
     # -- saves ------------------------------------------------------------------------------
 
@@ -294,6 +389,8 @@ class WorkerSide:
         layer = self.layer_index[layer_name]
         layout = self.layouts[layer_name]
         for save in self._saves:
+            if any(b == NULL_BLOCK for ch in save.spec.chunks for b in ch.block_ids):
+                continue  # a chunk partly out of a sliding window: not whole, not saved
             try:
                 for ch, staging in zip(save.spec.chunks, save.staging, strict=True):
                     staging[layer].copy_(layout.gather(kv_layer, ch.block_ids))
@@ -302,7 +399,6 @@ class WorkerSide:
                 log.warning("kvcloud: could not read %s for saving: %s", layer_name, exc)
 
     def wait_for_save(self) -> None:
-        self._finish_loads()
         saves, self._saves = self._saves, []
         if self.uploader is None:
             return
@@ -318,13 +414,19 @@ class WorkerSide:
         with self._stats_lock:
             out = dict(self.stats)
             self.stats.clear()
+        gauge = int(self.store_breaker.is_open)
+        if gauge != self._store_gauge:
+            out["store_breaker_open"] = self._store_gauge = gauge
         return out
 
     def shutdown(self) -> None:
         if self.uploader is not None:
             self.uploader.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        try:
-            self.client.close()
-        except KVCloudError as exc:
-            log.warning("kvcloud: closing the client: %s", exc)
+        for client in (self.client, self.upload_client):
+            if client is None:
+                continue
+            try:
+                client.close()
+            except KVCloudError as exc:
+                log.warning("kvcloud: closing the client: %s", exc)

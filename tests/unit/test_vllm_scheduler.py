@@ -1,0 +1,253 @@
+"""The vLLM connector's scheduler side without vLLM: requests shaped like vLLM's, a real
+file store and SQLite index, and a real socket that never answers for the hung index.
+
+Checked against what vLLM 0.32's scheduler does (``v1/core/sched/scheduler.py``):
+- a request resumed after a preemption asks again, gets its blocks again, and its load is
+  sent (it arrives in ``scheduled_cached_reqs.resumed_req_ids``, not as a new request);
+- keys cover what vLLM's block hash covers: a LoRA adapter (name and weights), multimodal
+  inputs, ``cache_salt``; prompt embeddings skip kvcloud, counted;
+- the scheduler thread never waits on the index for more than a few milliseconds: a hung
+  index defers the request (``None``) while others are scheduled, gives up at
+  ``lookup_timeout``, and opens the breaker so later requests miss at once;
+- what the workers report (a remembered-bad object, an open store breaker) stops offers.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from kvcloud import KVCloud
+from kvcloud.integrations.vllm.config import VLLMConnectorConfig
+from kvcloud.integrations.vllm.scheduler import SchedulerSide
+from kvcloud.integrations.vllm.specs import KVCloudWorkerMeta
+from tests.helpers import make_kv, make_ns, make_tokens
+
+BS = 8  # vLLM block size: two blocks per 16-token chunk
+C = 16
+
+
+def request(rid: str, tokens: list[int], **extra: object) -> SimpleNamespace:
+    fields: dict[str, object] = dict(
+        request_id=rid,
+        prompt_token_ids=tokens,
+        cache_salt=None,
+        lora_request=None,
+        mm_features=None,
+        prompt_embeds=None,
+    )
+    fields.update(extra)
+    return SimpleNamespace(**fields)
+
+
+class Blocks:
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_block_ids(self) -> tuple[list[int]]:
+        return (self.ids,)
+
+
+def output(new: list = (), cached: tuple = (), resumed: set[str] = frozenset()) -> SimpleNamespace:  # type: ignore[assignment]
+    """A SchedulerOutput with what the scheduler side reads."""
+    req_ids = [c[0] for c in cached]
+    return SimpleNamespace(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=req_ids,
+            resumed_req_ids=set(resumed),
+            new_block_ids=[(c[1],) for c in cached],
+            num_computed_tokens=[c[2] for c in cached],
+        ),
+        num_scheduled_tokens={c[0]: c[3] for c in cached},
+    )
+
+
+@pytest.fixture
+def stored(tmp_path: Path) -> Iterator[tuple[KVCloud, list[int]]]:
+    kvc = KVCloud.open(store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db", secret="s")
+    tokens = [int(t) for t in make_tokens(4 * C + 5)]
+    ns = make_ns("float32")
+    kvc.push(ns, tokens[: 4 * C], make_kv(ns, 4 * C))
+    yield kvc, tokens
+    kvc.close()
+
+
+def side(kvc: KVCloud, **cfg: object) -> SchedulerSide:
+    config = VLLMConnectorConfig(chunk_tokens=C, **cfg)  # type: ignore[arg-type]
+    return SchedulerSide(config, make_ns("float32"), kvc, BS)
+
+
+def ask(s: SchedulerSide, req: SimpleNamespace, local: int = 0, wait: float = 5.0) -> int:
+    """Ask as vLLM does, step after step, until the connector answers."""
+    deadline = time.monotonic() + wait
+    while True:
+        n, is_async = s.get_num_new_matched_tokens(req, local)
+        if n is not None:
+            assert is_async == (n > 0)
+            return n
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+
+
+def test_a_preempted_request_gets_its_load_again(stored: tuple[KVCloud, list[int]]) -> None:
+    kvc, tokens = stored
+    s = side(kvc)
+    req = request("r1", tokens)
+    s.on_new_request(req)
+    assert ask(s, req) == 4 * C  # every stored chunk: the tail is computed
+    first = list(range(20, 29))
+    s.update_state_after_alloc(req, Blocks(first), 4 * C)
+    meta = s.build_connector_meta(output())
+    assert [ld.req_id for ld in meta.loads] == ["r1"]
+    assert [ch.block_ids for ch in meta.loads[0].chunks] == [first[i : i + 2] for i in (0, 2, 4, 6)]
+    # preempted: vLLM resets num_computed_tokens, asks again, allocates other blocks; the
+    # request comes back among the cached requests, flagged resumed
+    assert ask(s, req) == 4 * C
+    again = list(range(40, 49))
+    s.update_state_after_alloc(req, Blocks(again), 4 * C)
+    meta = s.build_connector_meta(output(cached=[("r1", again, 4 * C, 5)], resumed={"r1"}))
+    assert [ld.req_id for ld in meta.loads] == ["r1"]
+    assert [ch.block_ids for ch in meta.loads[0].chunks] == [again[i : i + 2] for i in (0, 2, 4, 6)]
+
+
+def test_an_adapter_never_shares_the_base_models_kv(
+    stored: tuple[KVCloud, list[int]], tmp_path: Path
+) -> None:
+    kvc, tokens = stored
+    s = side(kvc)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights-1")
+    lora = SimpleNamespace(lora_name="ad", lora_path=str(adapter), lora_int_id=1)
+    assert ask(s, request("base", tokens)) == 4 * C
+    assert ask(s, request("lora", tokens, lora_request=lora)) == 0
+    salted = request("salt", tokens, cache_salt="tenant-b")
+    assert ask(s, salted) == 0
+    # the adapter's chunks are keyed by its weights: other weights under the same name, or
+    # the same weights under another name, are other keys
+    s1 = s.request_scope_of(request("x", tokens, lora_request=lora))
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights-2")
+    s2 = s.request_scope_of(request("x", tokens, lora_request=lora))
+    renamed = SimpleNamespace(lora_name="other", lora_path=str(adapter), lora_int_id=2)
+    s3 = s.request_scope_of(request("x", tokens, lora_request=renamed))
+    assert len({s1, s2, s3, s.request_scope_of(request("x", tokens))}) == 4
+
+
+def test_multimodal_inputs_and_prompt_embeddings(stored: tuple[KVCloud, list[int]]) -> None:
+    kvc, tokens = stored
+    s = side(kvc)
+
+    def image(ident: str, offset: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            identifier=ident, mm_position=SimpleNamespace(offset=offset, length=10)
+        )
+
+    scopes = {
+        s.request_scope_of(request("x", tokens, mm_features=feats))
+        for feats in ([image("cat", 3)], [image("dog", 3)], [image("cat", 20)], None)
+    }
+    assert len(scopes) == 4  # same placeholder tokens, other image or place: other keys
+    assert ask(s, request("mm", tokens, mm_features=[image("cat", 3)])) == 0
+    embeds = request("emb", tokens, prompt_embeds=object())
+    assert ask(s, embeds) == 0
+    assert s.take_stats()["requests_skipped"] == 1
+
+
+class Blackhole:
+    """A TCP port that accepts connections and never answers (a hung Redis)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self.conns: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            self.conns.append(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_a_hung_index_never_holds_the_scheduler(tmp_path: Path) -> None:
+    hole = Blackhole()
+    try:
+        kvc = KVCloud.open(
+            store=f"file://{tmp_path}/o",
+            index=f"redis://127.0.0.1:{hole.port}/0",
+            read_timeout=5.0,
+            secret="s",
+        )
+        s = side(kvc, lookup_timeout=0.3, breaker_failures=2, breaker_backoff=30.0)
+        tokens = [int(t) for t in make_tokens(4 * C + 5)]
+        worst = 0.0
+        for i in range(2):
+            req = request(f"r{i}", tokens)
+            t_start = time.monotonic()
+            while True:
+                t0 = time.perf_counter()
+                n, _ = s.get_num_new_matched_tokens(req, 0)
+                worst = max(worst, time.perf_counter() - t0)
+                if n is not None:
+                    break
+                time.sleep(0.001)  # vLLM's idle step
+            assert n == 0
+            assert 0.3 <= time.monotonic() - t_start < 1.0  # the request waited, alone
+        # every call on the scheduler thread returned within a few ms
+        assert worst < 0.02, f"a scheduler call took {worst * 1e3:.1f} ms"
+        assert s.index_breaker.is_open
+        stats = s.take_stats()
+        assert stats["lookup_timeouts"] == 2 and stats["index_breaker_opened"] == 1
+        assert stats["index_breaker_open"] == 1
+        # breaker open: no connection, an answer at once
+        before = hole.accepted
+        t0 = time.perf_counter()
+        assert s.get_num_new_matched_tokens(request("r9", tokens), 0) == (0, False)
+        assert time.perf_counter() - t0 < 0.005
+        assert s.take_stats()["lookups_skipped"] == 1
+        time.sleep(0.05)
+        assert hole.accepted == before
+        s.shutdown()
+    finally:
+        hole.close()
+
+
+def test_worker_reports_stop_offers(stored: tuple[KVCloud, list[int]]) -> None:
+    kvc, tokens = stored
+    s = side(kvc)
+    plan_req = request("r1", tokens)
+    assert ask(s, plan_req) == 4 * C
+    bad = s._plans["r1"].match.chunks[2].entry.object_key  # type: ignore[union-attr]
+    s.update_connector_output(
+        SimpleNamespace(kv_connector_worker_meta=KVCloudWorkerMeta({bad: 60.0}))
+    )
+    assert ask(s, request("r2", tokens)) == 2 * C  # cut before the bad object
+    s.update_connector_output(
+        SimpleNamespace(kv_connector_worker_meta=KVCloudWorkerMeta(store_retry_in=30.0))
+    )
+    assert ask(s, request("r3", tokens)) == 0
+    assert s.take_stats()["loads_skipped"] >= 1
+    s.update_connector_output(
+        SimpleNamespace(kv_connector_worker_meta=KVCloudWorkerMeta(store_ok=True))
+    )
+    assert ask(s, request("r4", tokens)) == 2 * C

@@ -1,0 +1,177 @@
+"""The connector under the conditions real servers live in, on real vLLM servers, each answer
+checked against a vLLM without the connector (same flags otherwise):
+
+- a starved KV cache that preempts several concurrent requests, with chunked prefill on;
+- LoRA: base and adapter requests on the same prompt never share KV;
+- ngram speculative decoding with a corrupt object in the store.
+
+Servers (kvcloud's embedded default, shared by the module): W writes (LoRA and ngram
+speculative decoding on), P is starved (few KV blocks, small prefill chunks, LoRA on), RL is
+the reference (LoRA on, no connector).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from kvcloud import KVCloud
+from kvcloud.integrations.vllm.keys import request_scope
+from scripts.vllm_fleet import LORA, VLLMServer, cached_tokens, kvcloud_transfer_config
+from tests.vllm.conftest import embedded_env, prompt_tokens, serving
+from tests.vllm.helpers import assert_same_answer, connector_namespace, wait_stored
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
+
+CHUNK = 256
+LORA_ARGS = ["--enable-lora", "--lora-modules", f"ad={LORA}", "--max-lora-rank", "8"]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+
+
+if not (LORA / "adapter_config.json").exists():
+    raise RuntimeError(f"{LORA} is missing: run `make install-vllm` (make test does)")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return embedded_env(tmp_path_factory.mktemp("production"), "vllm-production-secret")
+
+
+@pytest.fixture(scope="module")
+def servers(store: dict[str, str], vllm_logs: Path) -> Iterator[dict[str, VLLMServer]]:
+    cfg = kvcloud_transfer_config()
+    w = VLLMServer(
+        "W",
+        vllm_logs / "W.log",
+        transfer=cfg,
+        env=store,
+        args=[*LORA_ARGS, "--speculative-config", json.dumps(NGRAM)],
+    )
+    # 24 blocks of 128 tokens for 8 requests of ~6 blocks each: vLLM must preempt
+    p = VLLMServer(
+        "P",
+        vllm_logs / "P.log",
+        transfer=cfg,
+        env=store,
+        args=[
+            *LORA_ARGS,
+            "--num-gpu-blocks-override",
+            "24",
+            "--max-model-len",
+            "2048",
+            "--max-num-batched-tokens",
+            "256",
+            "--max-num-seqs",
+            "8",
+        ],
+    )
+    rl = VLLMServer("RL", vllm_logs / "RL.log", args=LORA_ARGS)
+    yield from serving(w, p, rl)
+
+
+def preemptions(server: VLLMServer) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:num_preemptions_total")
+    )
+
+
+def test_preempted_requests_answer_like_no_connector(
+    servers: dict[str, VLLMServer], store: dict[str, str]
+) -> None:
+    w, p, rl = servers["W"], servers["P"], servers["RL"]
+    prompts = [prompt_tokens(530 + 37 * i, seed=100 + i) for i in range(8)]
+    for prompt in prompts:  # kvcloud holds every full chunk of every prompt
+        w.complete(prompt, max_tokens=1)
+    for prompt in prompts:
+        assert wait_stored(store, prompt) == len(prompt) // CHUNK
+    turns = [[*prompt, *prompt_tokens(40, seed=200 + i)] for i, prompt in enumerate(prompts)]
+    gen = {"max_tokens": 180, "ignore_eos": True}
+    before_pre, before = preemptions(p), p.metrics()
+    with cf.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda t: p.complete(t, **gen), turns))
+    assert preemptions(p) - before_pre >= 1, "the starved server never preempted"
+    after = p.metrics()
+    loaded = after.get("loaded_tokens", 0) - before.get("loaded_tokens", 0)
+    assert loaded >= 8 * 2 * CHUNK  # the restores happened (first admissions at least)
+    for i, (resp, turn) in enumerate(zip(got, turns, strict=True)):
+        assert_same_answer(resp, rl.complete(turn, **gen), f"P, preempted request {i}")
+
+
+def adapter_tenant() -> str:
+    lora = SimpleNamespace(lora_name="ad", lora_path=str(LORA))
+    return request_scope("default", SimpleNamespace(lora_request=lora))
+
+
+def test_base_and_adapter_never_share_kv(
+    servers: dict[str, VLLMServer], store: dict[str, str]
+) -> None:
+    w, p, rl = servers["W"], servers["P"], servers["RL"]
+    gen = {"max_tokens": 16}
+    # base first, adapter second (and the reverse), each on a server that has not seen the
+    # prompt: P's own prefix cache is empty for it, so a hit could only come from kvcloud
+    for first, second, seed in (("smollm2", "ad", 300), ("ad", "smollm2", 301)):
+        prompt = prompt_tokens(800, seed=seed)
+        w.complete(prompt, model=first, max_tokens=1)
+        tenant = adapter_tenant() if first == "ad" else "default"
+        assert wait_stored(store, prompt, tenant=tenant) == 3
+        turn = [*prompt, 11, 12, 13]
+        got = p.complete(turn, model=second, **gen)
+        assert cached_tokens(got) == 0, f"{second} after {first} found {first}'s KV"
+        assert_same_answer(got, rl.complete(turn, model=second, **gen), f"{second} after {first}")
+    # the adapter's own KV is shared, and restores exactly
+    prompt = prompt_tokens(800, seed=302)
+    w.complete(prompt, model="ad", max_tokens=1)
+    assert wait_stored(store, prompt, tenant=adapter_tenant()) == 3
+    turn = [*prompt, 21, 22]
+    got = p.complete(turn, model="ad", **gen)
+    assert cached_tokens(got) >= 3 * CHUNK
+    assert_same_answer(got, rl.complete(turn, model="ad", **gen), "adapter after adapter")
+
+
+def spec_drafts(server: VLLMServer) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:spec_decode_num_draft_tokens_total")
+    )
+
+
+def test_speculative_decoding_with_a_corrupt_object(
+    servers: dict[str, VLLMServer], store: dict[str, str]
+) -> None:
+    w, p, rl = servers["W"], servers["P"], servers["RL"]
+    # a prompt that repeats itself, so ngram proposes drafts from it
+    phrase = prompt_tokens(40, seed=400)
+    prompt = (phrase * 30)[:1100]
+    p.complete(prompt, max_tokens=1)
+    assert wait_stored(store, prompt) == 4
+    ns = connector_namespace()
+    with KVCloud.open(
+        store=store["KVCLOUD_STORE"], index=store["KVCLOUD_INDEX"], secret=store["KVCLOUD_SECRET"]
+    ) as kvc:
+        fps = kvc.fingerprints(ns, prompt, "default")
+        key = kvc.index.lookup(ns.id, [fp.hex() for fp in fps])[1].object_key
+        data = bytearray(kvc.store.get(key))
+        data[len(data) // 2] ^= 0x40  # chunk 1, same size: only the digest can tell
+        kvc.store.delete(key)
+        kvc.store.put(key, bytes(data))
+    before, drafts = w.metrics(), spec_drafts(w)
+    turn = [*prompt, *phrase[:7]]
+    got = w.complete(turn, max_tokens=48, ignore_eos=True)
+    after = w.metrics()
+    assert after["verify_failures"] - before.get("verify_failures", 0) == 1
+    assert after["loaded_tokens"] - before.get("loaded_tokens", 0) == CHUNK  # chunk 0 only
+    assert spec_drafts(w) > drafts, "ngram proposed no draft tokens"
+    assert_same_answer(
+        got, rl.complete(turn, max_tokens=48, ignore_eos=True), "W, ngram + corrupt object"
+    )
