@@ -21,6 +21,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 # (title, paths) — the sections of the report, in order; missing paths are skipped
 SECTIONS: list[tuple[str, list[str]]] = [
@@ -68,10 +69,62 @@ def humanize(name: str) -> str:
     return name.removeprefix("test_").replace("_", " ")
 
 
+VLLM_FAULTS = ROOT / "docs" / "bench" / "vllm_faults.json"
+VLLM_TITLE = "## vLLM connector: a sick index or store"
+
+
+def vllm_faults_section(path: Path = VLLM_FAULTS) -> list[str]:
+    """The fault table of ``scripts/vllm_faults.py`` (measured on a real vLLM; it runs for a
+    few minutes, so it is run on its own and its JSON is read here)."""
+    if not path.exists():
+        return []
+    from scripts.vllm_faults import table
+
+    data = json.loads(path.read_text())
+    meta = data.get("meta", {})
+    return [
+        VLLM_TITLE,
+        "",
+        f"Measured by `{meta.get('command', 'python scripts/vllm_faults.py')}` on "
+        f"{meta.get('when', '?')} (one vLLM with the connector; its redis-server and "
+        "moto_server each behind a fault proxy; two greedy streams decoding while new "
+        "requests with a stored 512-token prefix arrive one after another; the method is in "
+        "the script's docstring). *Scheduler ms* is the connector's own time on vLLM's "
+        "scheduler thread per new request; ITL is the gap between the streams' tokens.",
+        "",
+        table(data["phases"]),
+        "",
+    ]
+
+
+def splice(text: str, section: list[str]) -> str:
+    """Replace (or add after the first section) the vLLM fault section of a report."""
+    lines = text.split("\n")
+    if VLLM_TITLE in lines:
+        start = lines.index(VLLM_TITLE)
+        end = next(
+            (i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines)
+        )
+        lines[start:end] = section
+    else:
+        at = next((i for i, line in enumerate(lines) if line.startswith("## ")), len(lines))
+        lines[at:at] = section
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "RELIABILITY.md")
+    ap.add_argument(
+        "--vllm-faults-only",
+        action="store_true",
+        help="only rewrite the vLLM fault section of --out from docs/bench/vllm_faults.json",
+    )
     args = ap.parse_args()
+    if args.vllm_faults_only:
+        args.out.write_text(splice(args.out.read_text(), vllm_faults_section()))
+        print(f"wrote the vLLM fault section of {args.out}")
+        return 0
     sections = [(t, [p for p in ps if (ROOT / p).exists()]) for t, ps in SECTIONS]
     paths = [p for _, ps in sections for p in ps]
     with tempfile.TemporaryDirectory() as tmp:
@@ -134,6 +187,7 @@ def main() -> int:
                 seen = json.dumps(seen)
             lines.append(f"| {o.get('scenario', '?')} | {must} | {seen} |".replace("\n", " "))
         lines.append("")
+    lines += vllm_faults_section()
     for title, ps in sections:
         rows = []
         for p in ps:

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from kvcloud import ConfigError, derive_tenant_key
 from kvcloud.integrations.vllm.config import VLLMConnectorConfig
-from kvcloud.integrations.vllm.keys import checkpoint_digest, request_tenant
+from kvcloud.integrations.vllm.keys import (
+    check_supported,
+    checkpoint_digest,
+    request_tenant,
+    vllm_namespace,
+)
 
 
 def test_extra_config_wins_over_environment() -> None:
@@ -67,3 +73,80 @@ def test_checkpoint_digest_follows_content_not_folder(tmp_path: Path) -> None:
     assert checkpoint_digest(str(a)) != before  # the config changes the KV too
     with pytest.raises(ConfigError, match="no weight files"):
         checkpoint_digest(str(tmp_path))
+
+
+def _hub_snapshot(cache: Path, repo: str, commit: str, weights: bytes) -> None:
+    """A Hugging Face hub cache entry as huggingface_hub lays it out: refs/main names the
+    commit, snapshots/<commit>/ holds the files."""
+    root = cache / f"models--{repo.replace('/', '--')}"
+    snap = root / "snapshots" / commit
+    snap.mkdir(parents=True)
+    (snap / "model.safetensors").write_bytes(weights)
+    (snap / "config.json").write_text('{"model_type": "llama"}')
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / "main").write_text(commit)
+
+
+def test_a_hub_model_is_pinned_to_the_snapshot_main_points_at(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("huggingface_hub")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path))
+    _hub_snapshot(tmp_path, "org/model", "a" * 40, b"old weights")
+    old = checkpoint_digest("org/model", "main")
+    assert old.startswith("sha256-")
+    # main moves to a commit with other weights: another namespace
+    _hub_snapshot(tmp_path, "org/model", "b" * 40, b"new weights")
+    assert checkpoint_digest("org/model", "main") != old
+    assert checkpoint_digest("org/model", "a" * 40) == old  # the pinned commit still reads
+    with pytest.raises(ConfigError, match="weights_digest"):
+        checkpoint_digest("org/never-downloaded", "main")
+
+
+def _vllm_config(**over: object) -> SimpleNamespace:
+    hf = SimpleNamespace(model_type="llama", to_json_string=lambda: '{"a": 1}')
+    mc = SimpleNamespace(
+        hf_config=hf,
+        dtype="float32",
+        quantization=None,
+        hf_overrides={},
+        model_impl="auto",
+        model="/m",
+        revision=None,
+        use_mla=False,
+        get_num_layers=lambda pc: 2,
+        get_num_kv_heads=lambda pc: 2,
+        get_head_size=lambda: 8,
+    )
+    for k, v in over.items():
+        setattr(mc, k, v)
+    return SimpleNamespace(
+        model_config=mc,
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        speculative_config=None,
+    )
+
+
+def test_hf_overrides_and_model_impl_change_the_namespace() -> None:
+    cfg = VLLMConnectorConfig(weights_digest="sha256-x")
+    plain = vllm_namespace(_vllm_config(), cfg).id
+    assert vllm_namespace(_vllm_config(), cfg).id == plain
+    rope = vllm_namespace(_vllm_config(hf_overrides={"rope_theta": 20000}), cfg).id
+    impl = vllm_namespace(_vllm_config(model_impl="transformers"), cfg).id
+    assert len({plain, rope, impl}) == 3
+
+
+def test_speculative_decoding_with_draft_kv_is_refused() -> None:
+    groups = SimpleNamespace(kv_cache_groups=[object()])
+    vc = _vllm_config()
+    check_supported(vc, groups)
+    vc.speculative_config = SimpleNamespace(method="ngram", uses_draft_kv_cache=lambda: False)
+    check_supported(vc, groups)
+    vc.speculative_config = SimpleNamespace(method="eagle", uses_draft_kv_cache=lambda: True)
+    with pytest.raises(ConfigError, match=r"draft model \(eagle\)"):
+        check_supported(vc, groups)

@@ -1,7 +1,8 @@
 """The connector under the conditions real servers live in, on real vLLM servers, each answer
 checked against a vLLM without the connector (same flags otherwise):
 
-- a starved KV cache that preempts several concurrent requests, with chunked prefill on;
+- a starved KV cache that preempts several concurrent requests, whose resumed prompts must be
+  loaded again, with chunked prefill on;
 - LoRA: base and adapter requests on the same prompt never share KV;
 - ngram speculative decoding with a corrupt object in the store.
 
@@ -53,7 +54,10 @@ def servers(store: dict[str, str], vllm_logs: Path) -> Iterator[dict[str, VLLMSe
         env=store,
         args=[*LORA_ARGS, "--speculative-config", json.dumps(NGRAM)],
     )
-    # 24 blocks of 128 tokens for 8 requests of ~6 blocks each: vLLM must preempt
+    # 160 blocks of 16 tokens (2,560 tokens) for 8 requests of ~60 blocks each: vLLM must
+    # preempt, and with small blocks the decoding requests soon reuse the blocks a preempted
+    # request freed, so when it resumes vLLM's own prefix cache has lost part of its prompt
+    # and the rest must come from kvcloud again
     p = VLLMServer(
         "P",
         vllm_logs / "P.log",
@@ -61,8 +65,10 @@ def servers(store: dict[str, str], vllm_logs: Path) -> Iterator[dict[str, VLLMSe
         env=store,
         args=[
             *LORA_ARGS,
+            "--block-size",
+            "16",
             "--num-gpu-blocks-override",
-            "24",
+            "160",
             "--max-model-len",
             "2048",
             "--max-num-batched-tokens",

@@ -88,9 +88,13 @@ def kv_dtype_name(vllm_config: Any) -> str:
     return name
 
 
-# speculative methods whose drafter brings KV layers of its own (the connector would find
-# more cache layers than the target model has); ngram and suffix need no drafter KV
-_DRAFT_METHODS = ("eagle", "eagle3", "draft_model", "mtp", "medusa", "mlp_speculator")
+def _draft_kv(spec: Any) -> bool:
+    """Does the speculative method bring KV layers of its own (EAGLE, MTP, a draft model)?
+    vLLM answers it (``uses_draft_kv_cache``); ngram and suffix decoding have none."""
+    probe = getattr(spec, "uses_draft_kv_cache", None)
+    if callable(probe):
+        return bool(probe())
+    return str(getattr(spec, "method", "")) not in ("ngram", "ngram_gpu", "suffix")
 
 
 def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
@@ -105,11 +109,11 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
         raise ConfigError("the kvcloud connector does not support MLA attention caches yet")
     spec = getattr(vllm_config, "speculative_config", None)
     method = str(getattr(spec, "method", "") or "") if spec is not None else ""
-    if method in _DRAFT_METHODS or (method and getattr(spec, "model", None)):
+    if spec is not None and _draft_kv(spec):
         raise ConfigError(
             f"speculative decoding with a draft model ({method}): its KV layers would be "
             "stored as if they were the target model's; the kvcloud connector supports "
-            "draft-free speculative decoding (ngram) only"
+            "draft-free speculative decoding (ngram, suffix) only"
         )
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     if len(groups) > 1:

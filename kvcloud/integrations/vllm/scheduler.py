@@ -141,7 +141,10 @@ class SchedulerSide:
             return plan
         if not self.index_breaker.allow():
             self.count(lookups_skipped=1)
-            plan = self._plans[rid] = _Plan(tenant, [], None)
+            # no hit, but the prompt is still saved (a few µs of hashing): the uploader has
+            # a client of its own, and the index may be back before the push goes out
+            fps = self.client.fingerprints(self.ns, list(request.prompt_token_ids), tenant)
+            plan = self._plans[rid] = _Plan(tenant, fps, None)
             return plan
         tokens = list(request.prompt_token_ids)
         future = self._lookups.submit(self._lookup, rid, tenant, tokens)
