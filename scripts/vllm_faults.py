@@ -154,8 +154,12 @@ class Bench:
             ]
             if not any(gauges):
                 return
+            # a stored prefix, not in vLLM's own cache: a lookup and a load, so each
+            # breaker gets its probe
+            httpx.post(self.server.url + "/reset_prefix_cache", timeout=30).raise_for_status()
             self.fresh_seed += 1
-            self.server.complete(tokens(300, self.fresh_seed), max_tokens=1)
+            prompt = [*self.prefixes[0], *tokens(10, self.fresh_seed)]
+            self.server.complete(prompt, max_tokens=1)
             time.sleep(0.5)
         raise RuntimeError("the breakers did not close within 60 s of recovery")
 

@@ -54,10 +54,11 @@ def servers(store: dict[str, str], vllm_logs: Path) -> Iterator[dict[str, VLLMSe
         env=store,
         args=[*LORA_ARGS, "--speculative-config", json.dumps(NGRAM)],
     )
-    # 160 blocks of 16 tokens (2,560 tokens) for 8 requests of ~60 blocks each: vLLM must
-    # preempt, and with small blocks the decoding requests soon reuse the blocks a preempted
-    # request freed, so when it resumes vLLM's own prefix cache has lost part of its prompt
-    # and the rest must come from kvcloud again
+    # 80 blocks of 32 tokens (2,560 tokens; the CPU backend's smallest block) for 8 requests
+    # of ~30 blocks each: vLLM must preempt. vLLM's own prefix cache is off, so a resumed
+    # request has nothing of its prompt left locally and kvcloud must load it again (with
+    # the cache on, the freed prompt blocks usually survive the preemption and the resumed
+    # request never asks kvcloud for more than it did the first time)
     p = VLLMServer(
         "P",
         vllm_logs / "P.log",
@@ -66,28 +67,30 @@ def servers(store: dict[str, str], vllm_logs: Path) -> Iterator[dict[str, VLLMSe
         args=[
             *LORA_ARGS,
             "--block-size",
-            "16",
+            "32",
             "--num-gpu-blocks-override",
-            "160",
+            "80",
             "--max-model-len",
             "2048",
             "--max-num-batched-tokens",
             "256",
             "--max-num-seqs",
             "8",
+            "--no-enable-prefix-caching",
         ],
     )
     rl = VLLMServer("RL", vllm_logs / "RL.log", args=LORA_ARGS)
     yield from serving(w, p, rl)
 
 
-def preemptions(server: VLLMServer) -> float:
+def metric_total(server: VLLMServer, name: str) -> float:
+    """One of vLLM's own counters, summed over its labels."""
     text = httpx.get(server.url + "/metrics", timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:num_preemptions_total")
-    )
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def preemptions(server: VLLMServer) -> float:
+    return metric_total(server, "vllm:num_preemptions_total")
 
 
 def test_preempted_requests_answer_like_no_connector(
@@ -144,12 +147,7 @@ def test_base_and_adapter_never_share_kv(
 
 
 def spec_drafts(server: VLLMServer) -> float:
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:spec_decode_num_draft_tokens_total")
-    )
+    return metric_total(server, "vllm:spec_decode_num_draft_tokens_total")
 
 
 def test_speculative_decoding_with_a_corrupt_object(

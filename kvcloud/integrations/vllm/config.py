@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ...breaker import CircuitBreaker
 from ...config import KVCloudConfig, env_values
 from ...errors import ConfigError
 from ...namespace import DEFAULT_CHUNK_TOKENS
@@ -170,6 +171,17 @@ class VLLMConnectorConfig:
             )
         if not isinstance(self.min_hit_tokens, int) or self.min_hit_tokens < 0:
             raise ConfigError(f"min_hit_tokens must be >= 0, got {self.min_hit_tokens!r}")
+
+    def breaker(self, name: str, clock: Any, on_change: Any = None) -> CircuitBreaker:
+        """A circuit breaker for the index or the store, with these settings."""
+        return CircuitBreaker(
+            name,
+            threshold=self.breaker_failures,
+            backoff=self.breaker_backoff,
+            max_backoff=self.breaker_max_backoff,
+            clock=clock,
+            on_change=on_change,
+        )
 
     def client_config(self, env: Mapping[str, str] | None = None) -> KVCloudConfig:
         """The kvcloud client settings (secret and encryption from the environment)."""

@@ -32,7 +32,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...breaker import CircuitBreaker
 from ...client import KVCloud, Match
 from ...namespace import Namespace
 from .config import VLLMConnectorConfig
@@ -92,14 +91,7 @@ class SchedulerSide:
         self._saving: dict[str, _Saving] = {}
         self.stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()  # lookup threads count too
-        self.index_breaker = CircuitBreaker(
-            "index",
-            threshold=cfg.breaker_failures,
-            backoff=cfg.breaker_backoff,
-            max_backoff=cfg.breaker_max_backoff,
-            clock=clock,
-            on_change=self._breaker_changed,
-        )
+        self.index_breaker = cfg.breaker("index", clock, self._breaker_changed)
         self._lookups = cf.ThreadPoolExecutor(4, thread_name_prefix="kvcloud-lookup")
         # what the workers report: objects not to offer, and until when the store is out
         self._bad_objects: dict[str, float] = {}

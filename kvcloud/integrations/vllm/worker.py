@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...breaker import CircuitBreaker
 from ...client import ChunkRef, KVCloud, Match
 from ...errors import ConfigError, KVCloudError, LayoutError
 from ...indexes.base import IndexEntry
@@ -119,14 +118,7 @@ class WorkerSide:
         self._kept_users: list[_Load] = []
         self._saves: list[_Save] = []
         self._failed_blocks: set[int] = set()
-        self.store_breaker = CircuitBreaker(
-            "store",
-            threshold=cfg.breaker_failures,
-            backoff=cfg.breaker_backoff,
-            max_backoff=cfg.breaker_max_backoff,
-            clock=clock,
-            on_change=self._breaker_changed,
-        )
+        self.store_breaker = cfg.breaker("store", clock, self._breaker_changed)
         self._bad_objects: dict[str, float] = {}  # object key -> until (clock)
         self._new_bad: dict[str, float] = {}  # not yet reported to the scheduler
         self._store_reported_open = False  # to the scheduler side
