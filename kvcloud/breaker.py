@@ -1,12 +1,12 @@
 """A circuit breaker: after consecutive failures, stop calling a backend for a while.
 
 Inside an inference engine a dead or hung index or store must cost milliseconds, not a
-timeout per request (DESIGN §4, invariant 7). The breaker is closed while calls succeed; after
-``threshold`` consecutive failures it opens and ``allow()`` answers False for a backoff window;
-when the window has passed exactly one caller gets True (the probe, half-open state); the
-probe's success closes the breaker, its failure opens it again for twice as long (up to
-``max_backoff``). Each state change is logged once and counted, so an outage shows as one line
-and one metric, not a line per request.
+timeout per request (DESIGN §4, invariant 7). The breaker is closed while calls succeed;
+after ``threshold`` consecutive failures (or one timeout) it opens and ``allow()`` answers
+False for a backoff window; when the window has passed exactly one caller gets True (the
+probe, half-open state); the probe's success closes the breaker, its failure opens it again
+for twice as long (up to ``max_backoff``). Each state change is logged once and counted, so
+an outage shows as one line and one metric, not a line per request.
 
 Thread-safe; no backend imports. Time comes from ``clock`` so tests run without sleeping.
 """
@@ -84,7 +84,10 @@ class CircuitBreaker:
                 self._backoff = self.base_backoff
                 self._set(CLOSED)
 
-    def failure(self, reason: str = "") -> None:
+    def failure(self, reason: str = "", timeout: bool = False) -> None:
+        """A failed call. A ``timeout`` opens the breaker at once: it already cost its caller
+        the whole wait, and the next caller would pay it again (a refused connection costs
+        milliseconds, so that takes ``threshold`` in a row)."""
         with self._lock:
             if self._state == HALF_OPEN:
                 # the probe failed: stay away twice as long
@@ -92,7 +95,7 @@ class CircuitBreaker:
                 self._open(reason)
             elif self._state == CLOSED:
                 self._failures += 1
-                if self._failures >= self.threshold:
+                if timeout or self._failures >= self.threshold:
                     self._open(reason)
             # already open: a late failure of a call let through before it opened
 

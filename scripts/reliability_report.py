@@ -90,7 +90,12 @@ def vllm_faults_section(path: Path = VLLM_FAULTS) -> list[str]:
         "moto_server each behind a fault proxy; two greedy streams decoding while new "
         "requests with a stored 512-token prefix arrive one after another; the method is in "
         "the script's docstring). *Scheduler ms* is the connector's own time on vLLM's "
-        "scheduler thread per new request; ITL is the gap between the streams' tokens.",
+        "scheduler thread per new request; ITL is the gap between the streams' tokens. A new "
+        "request's own prefill (its tail, or all of it on a miss) and, on this 2-core "
+        "machine, a restore's hashing and copying share the engine's cores with the running "
+        "streams, so even the healthy phase has steps well above its median; *recompute* is "
+        "what a miss costs the streams with nothing wrong, the yardstick for a fault that "
+        "turns hits into misses.",
         "",
         table(data["phases"]),
         "",

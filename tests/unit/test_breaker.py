@@ -97,3 +97,11 @@ def test_bad_settings_are_refused() -> None:
         CircuitBreaker("x", threshold=0)
     with pytest.raises(ValueError):
         CircuitBreaker("x", backoff=2.0, max_backoff=1.0)
+
+
+def test_one_timeout_opens_it() -> None:
+    b = CircuitBreaker("store", threshold=3, clock=Clock())
+    b.failure("refused")
+    assert b.state == CLOSED
+    b.failure("restore timed out", timeout=True)
+    assert b.state == OPEN and b.opened == 1

@@ -201,28 +201,28 @@ def test_a_hung_index_never_holds_the_scheduler(tmp_path: Path) -> None:
         s = side(kvc, lookup_timeout=0.5, breaker_failures=2, breaker_backoff=30.0)
         tokens = [int(t) for t in make_tokens(4 * C + 5)]
         calls: list[float] = []
-        for i in range(2):
-            req = request(f"r{i}", tokens)
-            t_start = time.monotonic()
-            while True:
-                t0 = time.perf_counter()
-                n, _ = s.get_num_new_matched_tokens(req, 0)
-                calls.append(time.perf_counter() - t0)
-                if n is not None:
-                    break
-                time.sleep(0.001)  # vLLM's idle step
-            assert n == 0
-            assert 0.5 <= time.monotonic() - t_start < 1.5  # the request waited, alone
-        # each call on the scheduler thread returns after its lookup_wait_ms (2 ms), never
-        # after the lookup: on a busy 2-core machine one may be descheduled for a while,
-        # but none waits anywhere near the half second the lookup takes
-        calls.sort()
-        median, worst = calls[len(calls) // 2], calls[-1]
-        assert median < 0.01, f"median scheduler call {median * 1e3:.1f} ms"
-        assert worst < 0.25, f"a scheduler call took {worst * 1e3:.1f} ms"
+        req = request("r0", tokens)
+        t_start = time.monotonic()
+        while True:
+            t0 = time.perf_counter()
+            n, _ = s.get_num_new_matched_tokens(req, 0)
+            calls.append(time.perf_counter() - t0)
+            if n is not None:
+                break
+            time.sleep(0.001)  # vLLM's idle step
+        assert n == 0
+        assert 0.5 <= time.monotonic() - t_start < 1.5  # the request waited, alone
+        # only the first ask waits its lookup_wait_ms (2 ms); the later ones just look. On a
+        # busy 2-core machine a call may be descheduled for a while, but none waits anywhere
+        # near the half second the lookup takes
+        first, rest = calls[0], sorted(calls[1:])
+        assert first < 0.25, f"the first ask took {first * 1e3:.1f} ms"
+        assert rest[len(rest) // 2] < 0.001, f"median later ask {rest[len(rest) // 2] * 1e3:.2f} ms"
+        assert rest[-1] < 0.25, f"an ask took {rest[-1] * 1e3:.1f} ms"
+        # one timeout opens the breaker: it already cost that request the whole wait
         assert s.index_breaker.is_open
         stats = s.take_stats()
-        assert stats["lookup_timeouts"] == 2 and stats["index_breaker_opened"] == 1
+        assert stats["lookup_timeouts"] == 1 and stats["index_breaker_opened"] == 1
         assert stats["index_breaker_open"] == 1
         # breaker open: no connection, an answer at once
         before = hole.accepted

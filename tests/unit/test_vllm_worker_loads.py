@@ -169,6 +169,7 @@ def test_a_restore_past_its_deadline_is_abandoned_and_never_writes(tmp_path: Pat
         assert not cache.any(), "an abandoned restore wrote into vLLM's blocks"
     stats = ws.take_stats()
     assert stats["load_timeouts"] == 1
+    assert ws.store_breaker.is_open  # one timeout is enough: the next request is spared it
     # the object is remembered: the scheduler side hears of it
     meta = ws.build_worker_meta()
     assert meta is not None and spec.chunks[0].object_key in meta.bad_objects

@@ -64,8 +64,9 @@ class VLLMConnectorConfig:
     the lookup counts as a failure of the index."""
 
     breaker_failures: int = field(default=3, metadata={"env": "KVCLOUD_BREAKER_FAILURES"})
-    """Consecutive failures (errors or timeouts) of the index, or of the store, after which
-    no request touches it for a backoff window."""
+    """Consecutive failures of the index, or of the store, after which no request touches
+    it for a backoff window. One timeout (a lookup past ``lookup_timeout``, a restore past
+    ``load_timeout``) opens it at once: it already cost its request the whole wait."""
 
     breaker_backoff: float = field(default=1.0, metadata={"env": "KVCLOUD_BREAKER_BACKOFF"})
     """Seconds of the first backoff window; after it one probe goes through, and each failed

@@ -59,6 +59,7 @@ class _Pending:
 
     future: cf.Future[_Plan]
     started: float
+    asked: bool = False  # vLLM has asked for this request's hit before
 
 
 @dataclass
@@ -177,8 +178,12 @@ class SchedulerSide:
             if plan is not None:
                 return plan
             pending = self._pending[rid]
+        # only the first ask waits (a healthy lookup answers well within it); later asks
+        # just look, so a lookup stuck in a sick index costs each engine step nothing
+        wait = 0.0 if pending.asked else self.cfg.lookup_wait_ms / 1000
+        pending.asked = True
         try:
-            plan = pending.future.result(timeout=self.cfg.lookup_wait_ms / 1000)
+            plan = pending.future.result(timeout=wait)
         except cf.TimeoutError:
             waited = self._clock() - pending.started
             if waited < self.cfg.lookup_timeout and not self.index_breaker.is_open:
@@ -187,7 +192,7 @@ class SchedulerSide:
             # too long, or the index went down meanwhile: this request runs as a miss
             self.count(lookup_timeouts=1)
             if waited >= self.cfg.lookup_timeout:
-                self.index_breaker.failure("lookup timed out")
+                self.index_breaker.failure("lookup timed out", timeout=True)
             plan = _Plan("", [], None)
         except Exception as exc:  # a bug in the lookup thread: a miss, never a failed request
             log.warning("kvcloud lookup for %s failed: %s", rid, exc)

@@ -261,16 +261,18 @@ class WorkerSide:
         )
         self.count(loaded_bytes=res.bytes)
         unreachable = [pos for pos, reason in res.failures if reason == "unavailable"]
+        with load.lock:
+            abandoned = load.abandoned
+            load.writing = not abandoned
         if unreachable:
             first = unreachable[0] - spec.chunks[0].position
             self._remember_bad(spec.chunks[first].object_key)
             self.store_breaker.failure("store errors")
-        elif res.chunks:
+        elif res.chunks and not abandoned:
+            # (a pull that answered after its deadline was too slow: no proof of health)
             self.store_breaker.success()
-        with load.lock:
-            if load.abandoned:
-                return 0
-            load.writing = True
+        if abandoned:
+            return 0
         for name, layer in self.layer_index.items():
             self._write_layer(load, name, layer, res.chunks)
         return res.chunks
@@ -316,7 +318,7 @@ class WorkerSide:
                 )
                 self.count(load_timeouts=1)
                 self._remember_bad(load.spec.chunks[0].object_key)
-                self.store_breaker.failure("restore timed out")
+                self.store_breaker.failure("restore timed out", timeout=True)
                 return 0
             # already writing into vLLM's blocks: a local copy, wait for it to end
         try:
