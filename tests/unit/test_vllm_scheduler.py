@@ -256,3 +256,19 @@ def test_worker_reports_stop_offers(stored: tuple[KVCloud, list[int]]) -> None:
         SimpleNamespace(kv_connector_worker_meta=KVCloudWorkerMeta(store_ok=True))
     )
     assert ask(s, request("r4", tokens)) == 2 * C
+
+
+def test_chunks_out_of_a_sliding_window_are_never_saved(tmp_path: Path) -> None:
+    kvc = KVCloud.open(store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db", secret="s")
+    s = side(kvc)
+    tokens = [int(t) for t in make_tokens(3 * C + 5)]  # nothing stored: all three are saved
+    req = request("r1", tokens)
+    assert ask(s, req) == 0
+    # chunk 0 already fell out of the window: vLLM holds its null block (0) there
+    new = SimpleNamespace(req_id="r1", block_ids=([0, 0, 5, 6, 7, 8, 9],), num_computed_tokens=0)
+    out = output(new=[new])
+    out.num_scheduled_tokens = {"r1": len(tokens)}
+    meta = s.build_connector_meta(out)
+    assert [ch.position for spec in meta.saves for ch in spec.chunks] == [1, 2]
+    assert [ch.block_ids for spec in meta.saves for ch in spec.chunks] == [[5, 6], [7, 8]]
+    kvc.close()

@@ -36,7 +36,7 @@ from ...client import KVCloud, Match
 from ...namespace import Namespace
 from .config import VLLMConnectorConfig
 from .keys import SkipRequest, request_scope
-from .specs import KVCloudWorkerMeta, LoadChunk, LoadSpec, SaveChunk, SaveSpec, StepSpec
+from .specs import NULL_BLOCK, KVCloudWorkerMeta, LoadChunk, LoadSpec, SaveChunk, SaveSpec, StepSpec
 
 log = logging.getLogger("vllm.kvcloud")
 
@@ -280,6 +280,8 @@ class SchedulerSide:
                 plan.block_ids[base + k] if first_block <= base + k < end_block else -1
                 for k in range(per_chunk)
             ]
+            if all(b < 0 or b == NULL_BLOCK for b in ids):
+                continue  # wholly out of a sliding window: nothing of it is needed
             chunks.append(
                 LoadChunk(
                     ref.position, ref.fp, ref.parent, ref.entry.object_key, ref.entry.size, ids
@@ -336,13 +338,17 @@ class SchedulerSide:
         per_chunk = c // bs
         ready = min(computed // c, len(saving.fps))
         chunks = []
+        done = saving.next_chunk
         for j in range(saving.next_chunk, ready):
             ids = saving.block_ids[j * per_chunk : (j + 1) * per_chunk]
             if len(ids) < per_chunk:
                 break
+            done = j + 1
+            if NULL_BLOCK in ids:
+                continue  # partly out of a sliding window already: not whole, not saved
             parent = saving.fps[j - 1] if j else self.ns.digest
             chunks.append(SaveChunk(j, saving.fps[j], parent, ids))
-        saving.next_chunk += len(chunks)
+        saving.next_chunk = done
         if chunks:
             meta.saves.append(SaveSpec(req_id, saving.tenant, chunks))
         if saving.next_chunk >= len(saving.fps):

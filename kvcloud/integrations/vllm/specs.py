@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# vLLM's block pool hands out block 0 as its shared null block (v1/core/block_pool.py): what
+# a sliding-window request holds for blocks out of its window. Never loaded into, never saved.
+NULL_BLOCK = 0
+
 
 @dataclass
 class LoadChunk:

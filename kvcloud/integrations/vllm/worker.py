@@ -44,7 +44,7 @@ from ...namespace import Namespace
 from .._torch import to_numpy
 from .config import VLLMConnectorConfig
 from .layout import BlockLayout, learn_layout
-from .specs import KVCloudWorkerMeta, LoadSpec, SaveSpec
+from .specs import NULL_BLOCK, KVCloudWorkerMeta, LoadSpec, SaveSpec
 from .uploader import Uploader
 
 if TYPE_CHECKING:
@@ -57,11 +57,6 @@ _TORCH_DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-
-# vLLM's block pool hands out block 0 as the shared null block (v1/core/block_pool.py): the
-# placeholder a sliding-window request holds for blocks out of its window. Never written to,
-# never saved from.
-NULL_BLOCK = 0
 
 
 @dataclass
