@@ -9,6 +9,9 @@ reset before each phase, so the hit can only come from kvcloud). Phases:
 - ``healthy``: both answer; the new requests restore their prefix;
 - ``recompute``: both answer, but the new requests' prefixes were never stored (the cost of
   a miss, for comparison);
+- ``no connector``: the recompute workload on a second vLLM started without any KV connector
+  (same flags otherwise), the engine's own behaviour under these arrivals, independent of
+  kvcloud;
 - ``index refused`` / ``index blackholed`` / ``index slow`` (200 ms added per request);
 - ``store slow`` (200 ms) / ``store refused`` / ``store blackholed``.
 
@@ -43,6 +46,7 @@ from scripts.vllm_fleet import VLLMServer, kvcloud_transfer_config, wait_stored
 PHASES = [
     ("healthy", "pass", "pass", True),
     ("recompute", "pass", "pass", False),
+    ("no connector", "-", "-", False),
     ("index refused", "refuse", "pass", True),
     ("index blackholed", "blackhole", "pass", True),
     ("index slow", "slow", "pass", True),
@@ -101,7 +105,9 @@ def pct(xs: list[float], q: float) -> float:
 
 
 class Bench:
-    def __init__(self, work: Path, new_requests: int, stream_tokens: int) -> None:
+    def __init__(
+        self, work: Path, new_requests: int, stream_tokens: int, vllm_args: list[str]
+    ) -> None:
         from tests.servers import s3_env, start_moto, start_redis
 
         self.work = work
@@ -124,12 +130,22 @@ class Bench:
             "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache between phases
         }
         self.server = VLLMServer(
-            "F", work / "F.log", transfer=kvcloud_transfer_config(), env=self.env
+            "F", work / "F.log", transfer=kvcloud_transfer_config(), env=self.env, args=vllm_args
         )
-        self.server.start().wait_ready()
+        # the independent reference: the same engine and flags, no connector at all
+        self.plain = VLLMServer(
+            "FP", work / "FP.log", env={"VLLM_SERVER_DEV_MODE": "1"}, args=vllm_args
+        )
+        self.server.start()
+        self.plain.start()
+        self.server.wait_ready()
+        self.plain.wait_ready()
         self.prefixes = [tokens(512, seed=1000 + i) for i in range(new_requests)]
         for p in self.prefixes:
             self.server.complete(p, max_tokens=1)
+        # the same first requests warm the reference (a cold engine's first prefills are slow)
+        for i in range(3):
+            self.plain.complete(tokens(522, seed=4000 + i), max_tokens=8)
         direct = {**self.env, "KVCLOUD_STORE": self.env["KVCLOUD_STORE"]}
         for p in self.prefixes:
             assert wait_stored(direct, p) == 2, "the prefixes were not stored"
@@ -164,17 +180,16 @@ class Bench:
 
     def phase(self, name: str, index_mode: str, store_mode: str, stored: bool) -> dict[str, Any]:
         self.recover()
-        httpx.post(self.server.url + "/reset_prefix_cache", timeout=30).raise_for_status()
-        before = self.metrics()
-        self.index_proxy.set_mode(index_mode)
-        self.s3_proxy.set_mode(store_mode)
+        server = self.plain if name == "no connector" else self.server
+        httpx.post(server.url + "/reset_prefix_cache", timeout=30).raise_for_status()
+        before = server.metrics()
+        self.index_proxy.set_mode(index_mode if index_mode != "-" else "pass")
+        self.s3_proxy.set_mode(store_mode if store_mode != "-" else "pass")
         itl: list[float] = []
         streams = [tokens(64, seed=9000 + i) for i in range(2)]
         latencies: list[float] = []
         with cf.ThreadPoolExecutor(2) as pool:
-            futs = [
-                pool.submit(stream_itl, self.server, s, self.stream_tokens, itl) for s in streams
-            ]
+            futs = [pool.submit(stream_itl, server, s, self.stream_tokens, itl) for s in streams]
             time.sleep(1.0)  # the streams are decoding
             for i in range(self.new_requests):
                 if stored:
@@ -183,12 +198,12 @@ class Bench:
                     self.fresh_seed += 1
                     prompt = tokens(522, seed=self.fresh_seed)
                 t0 = time.perf_counter()
-                self.server.complete(prompt, max_tokens=1)
+                server.complete(prompt, max_tokens=1)
                 latencies.append(time.perf_counter() - t0)
                 time.sleep(0.3)
             for f in futs:
                 f.result()
-        after = self.metrics()
+        after = server.metrics()
         delta = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}
         return {
             "phase": name,
@@ -211,6 +226,7 @@ class Bench:
 
     def close(self) -> None:
         self.server.stop()
+        self.plain.stop()
         self.s3_proxy.close()
         self.index_proxy.close()
         self.redis.stop()
@@ -218,24 +234,29 @@ class Bench:
 
 
 def table(results: list[dict[str, Any]]) -> str:
+    """The phases as a markdown table; each phase's worst ITL against the healthy median, a
+    miss's worst with the connector (``recompute``) and the engine's own worst with no
+    connector at all (``no connector``)."""
     healthy = next(r for r in results if r["phase"] == "healthy")
     base = healthy["itl_ms"]["p50"]
     miss = next((r for r in results if r["phase"] == "recompute"), healthy)["itl_ms"]["max"]
+    plain = next((r for r in results if r["phase"] == "no connector"), None)
     rows = [
         "| phase | scheduler ms / new request | new request p50 / max (ms) "
         "| ITL p50 / p99 / max (ms) | worst ITL ÷ healthy p50 | worst ITL ÷ recompute's worst "
-        "| what the connector did |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| worst ITL ÷ no connector's worst | what the connector did |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         c = {k: int(v) for k, v in r["counters"].items() if v and k != "scheduler_us"}
         itl, lat = r["itl_ms"], r["new_request_latency_ms"]
+        vs_plain = f"{itl['max'] / plain['itl_ms']['max']:.2f}×" if plain else "–"
         rows.append(
             f"| {r['phase']} | {r['scheduler_ms_per_new_request']:.2f} "
             f"| {lat['p50']:.0f} / {lat['max']:.0f} "
             f"| {itl['p50']:.0f} / {itl['p99']:.0f} / {itl['max']:.0f} "
-            f"| {itl['max'] / base:.2f}× | {itl['max'] / miss:.2f}× "
-            f"| {', '.join(f'{k} {v}' for k, v in sorted(c.items()))} |"
+            f"| {itl['max'] / base:.2f}× | {itl['max'] / miss:.2f}× | {vs_plain} "
+            f"| {', '.join(f'{k} {v}' for k, v in sorted(c.items())) or '–'} |"
         )
     return "\n".join(rows)
 
@@ -246,10 +267,13 @@ def main() -> None:
     ap.add_argument("--new-requests", type=int, default=6)
     ap.add_argument("--stream-tokens", type=int, default=160)
     ap.add_argument("--phases", default="", help="comma-separated subset (healthy always runs)")
+    ap.add_argument(
+        "--vllm-args", default="", help="extra vLLM flags for both servers, space-separated"
+    )
     a = ap.parse_args()
     wanted = {p.strip() for p in a.phases.split(",") if p.strip()}
     work = Path(tempfile.mkdtemp(prefix="kvcloud-vllm-faults-"))
-    bench = Bench(work, a.new_requests, a.stream_tokens)
+    bench = Bench(work, a.new_requests, a.stream_tokens, a.vllm_args.split())
     results = []
     try:
         for name, index_mode, store_mode, stored in PHASES:

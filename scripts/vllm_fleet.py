@@ -245,25 +245,32 @@ def connector_namespace(model_dir: Any = None, dtype: str = "float32", chunk: in
 
 
 def wait_stored(
-    env: dict[str, str], prompt: list[int], tenant: str = "default", timeout: float = 30.0
+    env: dict[str, str],
+    prompt: list[int],
+    tenant: str = "default",
+    timeout: float = 30.0,
+    ns: Any = None,
+    want: int | None = None,
 ) -> int:
-    """Wait until the background uploader has registered every full chunk of ``prompt``
-    (pushes are asynchronous); returns how many are indexed."""
+    """Wait until the background uploader has registered ``want`` (default: every) full
+    chunk of ``prompt`` in namespace ``ns`` (default: plain SmolLM2's), pushes being
+    asynchronous; returns how many are indexed."""
     import time
 
     from kvcloud import KVCloud
 
-    ns = connector_namespace()
+    ns = ns or connector_namespace()
     deadline = time.monotonic() + timeout
     with KVCloud.open(
         store=env["KVCLOUD_STORE"], index=env["KVCLOUD_INDEX"], secret=env["KVCLOUD_SECRET"]
     ) as k:
         fps = k.fingerprints(ns, prompt, tenant)
+        goal = len(fps) if want is None else want
         while True:
             try:
                 found = sum(e is not None for e in k.index.lookup(ns.id, [f.hex() for f in fps]))
             except Exception:
                 found = 0
-            if found == len(fps) or time.monotonic() > deadline:
+            if found >= goal or time.monotonic() > deadline:
                 return found
             time.sleep(0.1)
