@@ -12,10 +12,26 @@ Entries live in small hashes ("buckets"), ``buckets`` per namespace (URL option,
 ``hash-max-listpack-entries`` (128) fields of at most 64 bytes as one flat listpack: about
 115 bytes per entry, where a key per entry costs about 340 (a dictionary entry, an expiry
 entry, the key's and the value's allocations). The binary field (32 bytes) and value (at most
-62 bytes with a standard object key, :func:`_pack_value`) are sized to stay in it. Redis 7.0
-has no per-field expiry, so each value carries its own ``expires_at`` and every reader treats
-an expired value as absent; a bucket's own TTL is the latest of its entries', and a
-registration now and then deletes the expired fields of the bucket it writes to.
+62 bytes with a standard object key, :func:`_pack_value`) are sized to stay in it.
+
+Expiry, two ways (URL option ``field_ttl``):
+
+- *value expiry* (format 1; Redis 7.0, which has no per-field expiry): each value carries its
+  own ``expires_at`` and every reader treats an expired value as absent; a bucket's own TTL is
+  the latest of its entries', and a registration now and then deletes the expired fields of
+  the bucket it writes to. A renewal rewrites the value.
+- *field TTL* (format 2, 8 bytes shorter: no ``expires_at``; servers with ``HPEXPIRE``: Redis
+  7.4+, Valkey 9+): each field has its own TTL, the server drops expired fields by itself
+  (no dead entry waits for a sweep), and a renewal is an ``HPEXPIRE … GT`` of the field
+  instead of a rewrite of its value, which cannot create a field deleted meanwhile. The bucket
+  keeps a TTL of its own, the latest of its entries', as above: ``maxmemory-policy
+  volatile-lru`` evicts only keys that have one.
+
+``field_ttl=auto`` (the default) picks field TTL on Redis 7.4+, and value expiry on Redis 7.0
+and on Valkey, whose hashes leave their compact listpack encoding as soon as one field has a
+TTL (measured in docs/OPERATIONS.md: 140 bytes an entry against 106; Redis 8 keeps them
+compact, 121 against 119). ``field_ttl=on`` forces it wherever the server has ``HPEXPIRE``.
+Readers understand both formats on any server, so a fleet can switch while running.
 
 Lookups are one ``EVALSHA`` on the request path: a script that walks the prompt's chain and
 returns only the run of hits (``lookup_run``) or every entry (``lookup``). The TTL renewal of
@@ -43,6 +59,7 @@ import threading
 import time
 import weakref
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -70,11 +87,24 @@ _SCAN_COUNT = 1000
 # returns it (the client logs it and treats it as a miss) and a registration overwrites it.
 _LUA_HELPERS = """
 local function live(v, now)
-  if not v or #v < 30 or string.byte(v, 1) ~= 1 then return false end
+  if not v then return false end
+  local form = string.byte(v, 1)
+  if form == 2 then return #v >= 22 end
+  if form ~= 1 or #v < 30 then return false end
   return struct.unpack('<d', v, 2) > now
+end
+local function key_at(v)
+  if string.byte(v, 1) == 2 then return 22 end
+  return 30
 end
 local function keep_bucket(k, ttl)
   if redis.call('PTTL', k) < ttl then redis.call('PEXPIRE', k, ttl) end
+end
+local function sweep(k, now)
+  local all = redis.call('HGETALL', k)
+  for j = 1, #all, 2 do
+    if not live(all[j + 1], now) then redis.call('HDEL', k, all[j]) end
+  end
 end
 """
 
@@ -120,11 +150,32 @@ for i = 1, #KEYS do
     out[i] = 0
   else
     if redis.call('HSET', k, f, ARGV[2 * i + 2]) == 1 and redis.call('HLEN', k) % 32 == 0 then
-      local all = redis.call('HGETALL', k)
-      for j = 1, #all, 2 do
-        if not live(all[j + 1], now) then redis.call('HDEL', k, all[j]) end
-      end
+      sweep(k, now)
     end
+    keep_bucket(k, ttl)
+    out[i] = 1
+  end
+end
+return out
+"""
+)
+
+# The same with field TTL (format 2 values): HSET clears a field's TTL, so HPEXPIRE follows
+# it. The sweep only finds value-expiry entries (an index written before the switch): the
+# server removes expired fields itself.
+_REGISTER_FIELD_TTL_SCRIPT = (
+    _LUA_HELPERS
+    + """
+local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+local out = {}
+for i = 1, #KEYS do
+  local k, f = KEYS[i], ARGV[2 * i + 1]
+  if live(redis.call('HGET', k, f), now) then
+    out[i] = 0
+  else
+    local new = redis.call('HSET', k, f, ARGV[2 * i + 2]) == 1
+    redis.call('HPEXPIRE', k, ttl, 'FIELDS', 1, f)
+    if new and redis.call('HLEN', k) % 32 == 0 then sweep(k, now) end
     keep_bucket(k, ttl)
     out[i] = 1
   end
@@ -136,6 +187,8 @@ return out
 # Sliding TTL, from the background thread: KEYS[i] and ARGV[i + 3] are a bucket and a field;
 # ARGV[1] now, ARGV[2] the new expiry, ARGV[3] the TTL in ms. Only a live value is rewritten,
 # and only forwards, so a late renewal never resurrects an entry deleted or expired meanwhile.
+# A field-TTL value (format 2, only on servers that have HPEXPIRE) gets HPEXPIRE GT: a field
+# that is gone stays gone.
 _RENEW_SCRIPT = (
     _LUA_HELPERS
     + """
@@ -144,7 +197,12 @@ local n = 0
 for i = 1, #KEYS do
   local k, f = KEYS[i], ARGV[i + 3]
   local v = redis.call('HGET', k, f)
-  if live(v, now) and struct.unpack('<d', v, 2) < new then
+  if v and string.byte(v, 1) == 2 then
+    if redis.call('HPEXPIRE', k, ttl, 'GT', 'FIELDS', 1, f)[1] == 1 then
+      keep_bucket(k, ttl)
+      n = n + 1
+    end
+  elseif live(v, now) and struct.unpack('<d', v, 2) < new then
     redis.call('HSET', k, f, string.sub(v, 1, 1) .. struct.pack('<d', new) .. string.sub(v, 10))
     keep_bucket(k, ttl)
     n = n + 1
@@ -163,7 +221,7 @@ _DROP_SCRIPT = (
 local v = redis.call('HGET', KEYS[1], ARGV[2])
 if not v then return 0 end
 if live(v, tonumber(ARGV[1])) then
-  if ARGV[3] ~= '' and string.sub(v, 30) ~= ARGV[3] then return 0 end
+  if ARGV[3] ~= '' and string.sub(v, key_at(v)) ~= ARGV[3] then return 0 end
 elseif ARGV[3] ~= '' or (#v >= 30 and string.byte(v, 1) == 1) then
   return 0
 end
@@ -193,10 +251,16 @@ _MAX_BUCKETS = 1 << 24
 
 # The value: format (1), expires_at, created, n_tokens, size, then the object key: a form
 # byte and either the 32-byte digest of a standard key (<ns>/<d[:2]>/<d>[.b3]) or the key as
-# UTF-8 (any other key, e.g. one written by a custom client).
+# UTF-8 (any other key, e.g. one written by a custom client). Format 2 (field TTL) is the
+# same without expires_at.
 _HEAD = struct.Struct("<BddIQ")
+_HEAD2 = struct.Struct("<BdIQ")
 _EXPIRES = struct.Struct("<d")
 _FORMAT = 1
+_FORMAT_FIELD_TTL = 2
+# Hits whose field TTL this process renewed lately, so it renews each at most once per
+# renewal interval (a field-TTL value does not say when it expires); ~150 bytes an item.
+_RENEWED_MEMO = 1 << 16
 _KEY_RAW, _KEY_BLAKE3, _KEY_SHA256 = 0, 1, 2
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEXES = re.compile(r"(?:[0-9a-f]{64})*")
@@ -233,8 +297,13 @@ def _unpack_key(ns: str, packed: bytes) -> str:
     return f"{ns}/{digest[:2]}/{digest}" + (".b3" if form == _KEY_BLAKE3 else "")
 
 
-def _pack_value(ns: str, entry: IndexEntry, expires_at: float) -> bytes:
-    head = _HEAD.pack(_FORMAT, expires_at, entry.created, entry.n_tokens, entry.size)
+def _pack_value(ns: str, entry: IndexEntry, expires_at: float | None) -> bytes:
+    """Format 1 with ``expires_at``; format 2 (field TTL: the server keeps the expiry) when it
+    is None."""
+    if expires_at is None:
+        head = _HEAD2.pack(_FORMAT_FIELD_TTL, entry.created, entry.n_tokens, entry.size)
+    else:
+        head = _HEAD.pack(_FORMAT, expires_at, entry.created, entry.n_tokens, entry.size)
     return head + _pack_key(ns, entry.object_key)
 
 
@@ -246,11 +315,14 @@ def _unpack_cached(ns: str, body: bytes) -> IndexEntry:
     return IndexEntry(_unpack_key(ns, body[20:]), n_tokens, size, created)
 
 
-def _unpack_value(ns: str, raw: bytes) -> tuple[IndexEntry, float]:
-    """(entry, expires_at) of a stored value; ValueError for anything else."""
-    if len(raw) < _HEAD.size + 1 or raw[0] != _FORMAT:
-        raise ValueError(f"not an index entry value ({len(raw)} bytes)")
-    return _unpack_cached(ns, raw[9:]), _EXPIRES.unpack_from(raw, 1)[0]
+def _unpack_value(ns: str, raw: bytes) -> tuple[IndexEntry, float | None]:
+    """(entry, expires_at) of a stored value, expires_at None for a field-TTL value (the
+    server holds it); ValueError for anything else."""
+    if len(raw) > _HEAD.size and raw[0] == _FORMAT:
+        return _unpack_cached(ns, raw[9:]), _EXPIRES.unpack_from(raw, 1)[0]
+    if len(raw) > _HEAD2.size and raw[0] == _FORMAT_FIELD_TTL:
+        return _unpack_cached(ns, raw[1:]), None
+    raise ValueError(f"not an index entry value ({len(raw)} bytes)")
 
 
 def _field(fp: str) -> bytes:
@@ -337,10 +409,12 @@ class RedisIndex(Index):
     """Index in Redis (``redis://`` or TLS ``rediss://``).
 
     URL: ``redis://[user:password@]host:port/db?prefix=kvc&ttl=604800&buckets=4096``.
-    ``prefix``, ``ttl`` (seconds; overrides ``ttl_seconds`` when present) and ``buckets``
+    ``prefix``, ``ttl`` (seconds; overrides ``ttl_seconds`` when present), ``buckets``
     (hashes per namespace, a power of two: about the namespace's entries ÷ 50; every worker of
-    a fleet must use the same value) are kvcloud's own options; any other query option is
-    passed to redis-py (e.g. ``ssl_ca_certs`` for rediss://).
+    a fleet must use the same value) and ``field_ttl`` (``auto``, ``on`` or ``off``: per-entry
+    TTL in the hash fields where the server has it, see the module docstring) are kvcloud's
+    own options; any other query option is passed to redis-py (e.g. ``ssl_ca_certs`` for
+    rediss://).
 
     ``lookup`` and ``lookup_run`` are one EVALSHA; the sliding-TTL renewal of their hits and
     their ``counters`` are sent by a background thread ``renew_delay`` seconds later (batched
@@ -366,6 +440,7 @@ class RedisIndex(Index):
         retry: Retry | None = None,
         renew_delay: float = 0.05,
         buckets: int | None = None,
+        field_ttl: str | None = None,
     ) -> None:
         self.url = redact_url(url)
         try:
@@ -399,6 +474,12 @@ class RedisIndex(Index):
                 f"index URL {self.url!r}: buckets must be a power of two from 1 to {_MAX_BUCKETS}"
             )
         self.buckets = n_buckets
+        mode = options.pop("field_ttl", field_ttl if field_ttl is not None else "auto").lower()
+        if mode not in ("auto", "on", "off"):
+            raise ConfigError(f"index URL {self.url!r}: field_ttl must be auto, on or off")
+        self.field_ttl_mode = mode
+        # decided on the first write (it takes a round trip); "off" needs none
+        self._field_ttl: bool | None = False if mode == "off" else None
         super().__init__(ttl_seconds)
         if self.ttl_seconds <= 0:
             raise ConfigError(f"index URL {self.url!r}: ttl must be positive")
@@ -410,6 +491,9 @@ class RedisIndex(Index):
         self._counters_key = f"{prefix}:counters"
         self._name_tables: dict[str, list[str]] = {}
         self._name_lock = threading.Lock()
+        self._renewed: OrderedDict[tuple[str, bytes], float] = OrderedDict()
+        self._renewed_lock = threading.Lock()
+        self._renew_every = min(self.ttl_seconds / 100, 60.0)
 
         client_url = urlunsplit(parts._replace(query=urlencode(options)))
         try:
@@ -425,6 +509,7 @@ class RedisIndex(Index):
         self._sources = {
             "lookup": _LOOKUP_SCRIPT,
             "register": _REGISTER_SCRIPT,
+            "register_field_ttl": _REGISTER_FIELD_TTL_SCRIPT,
             "renew": _RENEW_SCRIPT,
             "drop": _DROP_SCRIPT,
             "legacy_drop": _LEGACY_DROP_SCRIPT,
@@ -633,18 +718,59 @@ class RedisIndex(Index):
         entries = list(entries)
         if not entries:
             return []
+        with self._errors():
+            field_ttl = self.uses_field_ttl()
         now = time.time()
         fields, _ = _fields([fp for fp, _ in entries])
-        expires_at = now + self.ttl_seconds
+        expires_at = None if field_ttl else now + self.ttl_seconds
         per_entry = [
             [field, _pack_value(ns, entry, expires_at)]
             for field, (_, entry) in zip(fields, entries, strict=True)
         ]
+        script = "register_field_ttl" if field_ttl else "register"
         with self._errors():
             replies = self._run_batches(
-                "register", self._buckets(ns, fields), [repr(now), self._ttl_ms], per_entry
+                script, self._buckets(ns, fields), [repr(now), self._ttl_ms], per_entry
             )
         return [bool(r) for r in replies]
+
+    def uses_field_ttl(self) -> bool:
+        """Whether this index writes per-field TTLs: ``field_ttl=on``, or ``auto`` on a Redis
+        that has ``HPEXPIRE`` (asked once: two round trips on the first write)."""
+        if self._field_ttl is None:
+            try:
+                self._client.execute_command("HPTTL", f"{self.prefix}:probe", "FIELDS", 1, "probe")
+                supported = True
+            except (rexc.ConnectionError, rexc.TimeoutError):
+                raise
+            except rexc.RedisError:
+                # unknown command (Redis before 7.4, Valkey before 9), said by the server or,
+                # on a cluster, by redis-py from the server's command table
+                supported = False
+            if self.field_ttl_mode == "on" and not supported:
+                raise IndexBackendError(
+                    f"redis index {self.url}: field_ttl=on, but the server has no hash-field "
+                    "expiry (HPEXPIRE: Redis 7.4+, Valkey 9+); use field_ttl=auto or off"
+                )
+            reason = "the server has no hash-field expiry"
+            if supported and self.field_ttl_mode == "auto" and self._server_is_valkey():
+                supported = False
+                reason = "Valkey keeps hashes with field TTLs in a larger encoding"
+            self._field_ttl = supported
+            log.info(
+                "redis index %s: %s",
+                self.url,
+                "per-entry TTL in hash fields (HPEXPIRE)"
+                if supported
+                else f"expiry kept in each entry ({reason}; URL option field_ttl)",
+            )
+        return self._field_ttl
+
+    def _server_is_valkey(self) -> bool:
+        info = self._client.info("server")
+        if info and all(isinstance(v, dict) for v in info.values()):
+            info = next(iter(info.values()))  # a cluster answers per node
+        return "valkey_version" in info or str(info.get("server_name", "")).lower() == "valkey"
 
     def lookup(
         self, ns: str, fps: Sequence[str], counters: Mapping[str, int] | None = None
@@ -692,13 +818,30 @@ class RedisIndex(Index):
                 found.append(None)
                 continue
             found.append(entry)
-            if expires_at < fresh:
+            if expires_at is None:
+                if self._renewal_due((buckets[i], fields[i])):
+                    renew.append((buckets[i], fields[i]))
+            elif expires_at < fresh:
                 renew.append((buckets[i], fields[i]))
         if not walk:
             found.extend([None] * (len(fps) - len(found)))
         if renew or counters:
             self._deferred.submit(renew, counters)
         return found
+
+    def _renewal_due(self, item: tuple[str, bytes]) -> bool:
+        """For a field-TTL hit, whose value does not say when it expires: renew it unless this
+        process did within the renewal interval (the same resolution as value expiry's)."""
+        now = time.monotonic()
+        with self._renewed_lock:
+            last = self._renewed.get(item)
+            if last is not None and now - last < self._renew_every:
+                return False
+            self._renewed[item] = now
+            self._renewed.move_to_end(item)
+            if len(self._renewed) > _RENEWED_MEMO:
+                self._renewed.popitem(last=False)
+        return True
 
     def drop(self, ns: str, fp: str, object_key: str | None = None) -> bool:
         field = _field(fp)
@@ -729,24 +872,54 @@ class RedisIndex(Index):
                 for key in keys:
                     pipe.hgetall(key)
                 now = time.time()
-                for key, fields in zip(keys, pipe.execute(), strict=True):
+                hashes = pipe.execute()
+                ttls = self._field_ttls(keys, hashes)
+                for key, fields in zip(keys, hashes, strict=True):
                     parts = self._split_key(key, "h")
                     if parts is None:
                         continue  # not written by us
                     for field, raw in fields.items():
-                        record = self._record(parts[0], field, raw, now)
+                        record = self._record(parts[0], field, raw, now, ttls.get((key, field)))
                         if record is not None:
                             yield record
             yield from self._iter_legacy(legacy)
 
-    def _record(self, ns: str, field: bytes, raw: bytes, now: float) -> EntryRecord | None:
+    def _field_ttls(
+        self, keys: list[bytes], hashes: list[dict[bytes, bytes]]
+    ) -> dict[tuple[bytes, bytes], int]:
+        """The TTL (ms; -1 none, -2 gone) of every field-TTL value among ``hashes``, one
+        pipelined HPTTL per bucket that holds any (off the request path: stats, gc, verify)."""
+        wanted = [
+            (key, [f for f, raw in fields.items() if raw[:1] == b"\x02"])
+            for key, fields in zip(keys, hashes, strict=True)
+        ]
+        wanted = [(key, fields) for key, fields in wanted if fields]
+        if not wanted:
+            return {}
+        pipe = self._client.pipeline(transaction=False)
+        for key, fields in wanted:
+            pipe.execute_command("HPTTL", key, "FIELDS", len(fields), *fields)
+        out: dict[tuple[bytes, bytes], int] = {}
+        for (key, fields), reply in zip(wanted, pipe.execute(), strict=True):
+            for field, ms in zip(fields, reply, strict=True):
+                out[(key, field)] = int(ms)
+        return out
+
+    def _record(
+        self, ns: str, field: bytes, raw: bytes, now: float, field_ttl_ms: int | None = None
+    ) -> EntryRecord | None:
         try:
             fp = _fp_of_field(field)
             entry, expires_at = _unpack_value(ns, raw)
         except Exception as exc:
             log.warning("redis index: undecodable entry in %s skipped: %s", ns, exc)
             return None
-        if expires_at <= now:
+        if expires_at is None:  # field TTL, held by the server
+            if field_ttl_ms is not None and field_ttl_ms == -2:
+                return None  # expired between HGETALL and HPTTL
+            if field_ttl_ms is not None and field_ttl_ms >= 0:
+                expires_at = now + field_ttl_ms / 1000
+        elif expires_at <= now:
             return None
         return EntryRecord(ns=ns, fp=fp, entry=entry, expires_at=expires_at)
 

@@ -89,10 +89,13 @@ def family_server(
 
 @pytest.mark.integration
 class TestRedisFamilyIndex(IndexContract):
-    """The same contract on Redis 8 and Valkey 9."""
+    """The same contract on Redis 8 and Valkey 9, in both expiry layouts (``field_ttl=auto``
+    picks field TTL on Redis 8 and value expiry on Valkey: tests/unit/test_redis_field_ttl.py)."""
 
-    @pytest.fixture
-    def make_index(self, family_server: RedisServer) -> Iterator[IndexFactory]:
+    @pytest.fixture(params=["on", "off"])
+    def make_index(
+        self, family_server: RedisServer, request: pytest.FixtureRequest
+    ) -> Iterator[IndexFactory]:
         import redis
 
         client = redis.Redis.from_url(family_server.url)
@@ -101,7 +104,7 @@ class TestRedisFamilyIndex(IndexContract):
         opened: list[Index] = []
 
         def factory(ttl_seconds: int = DEFAULT_TTL_SECONDS) -> Index:
-            idx = RedisIndex(family_server.url, ttl_seconds)
+            idx = RedisIndex(f"{family_server.url}?field_ttl={request.param}", ttl_seconds)
             opened.append(idx)
             return idx
 
