@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # Installs the system programs the test suite starts as real processes, when missing:
-# redis-server (the index) and prometheus (the live dashboard test). Debian/Ubuntu apt only;
-# elsewhere it names what to install and fails.
+# redis-server (the index), prometheus (the live dashboard test) and Ceph's monitor, OSD and
+# S3 gateway (tests/ceph.py: the production S3 server of the integration tests). Redis 8 and
+# Valkey 9 come from PyPI wheels (the dev extras). Debian/Ubuntu apt only; elsewhere it names
+# what to install and fails.
 set -euo pipefail
 
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+command -v ceph-mon >/dev/null 2>&1 || missing+=(ceph-mon)
+command -v ceph-osd >/dev/null 2>&1 || missing+=(ceph-osd)
+command -v radosgw >/dev/null 2>&1 || missing+=(radosgw)
 if ((${#missing[@]} == 0)); then
     exit 0
 fi

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.ceph import CephRGW, start_ceph_rgw
 from tests.servers import MotoServer, RedisServer, s3_env, start_moto, start_redis
 
 # Tests never touch real AWS credentials or the developer's config.
@@ -27,6 +28,14 @@ def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer
     server = start_moto(tmp_path_factory.mktemp("moto"))
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def ceph_rgw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CephRGW]:
+    """Ceph RGW (one monitor, one memstore OSD, the S3 gateway) for the session."""
+    cluster = start_ceph_rgw(tmp_path_factory.mktemp("ceph"))
+    yield cluster
+    cluster.stop()
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvcloud.stores import FileStore, ObjectStore, S3Config, S3Store
+from tests.ceph import CephRGW
 from tests.contracts.store_contract import StoreContract
 from tests.servers import MotoServer
 
@@ -74,4 +75,21 @@ class TestS3StoreMotoServer(StoreContract):
             monkeypatch.delenv(var, raising=False)
         url = moto_server.store_url("kvcloud-contract", f"t-{uuid.uuid4().hex[:12]}")
         with S3Store.from_url(url + "&create_bucket=true") as s:
+            yield s
+
+
+@pytest.mark.integration
+class TestS3StoreCephRGW(StoreContract):
+    """Ceph's S3 gateway (RGW 16.2 on a one-OSD memstore cluster, tests/ceph.py): a
+    production S3 server; a fresh prefix per test keeps tests apart."""
+
+    @pytest.fixture
+    def store(self, ceph_rgw: CephRGW, monkeypatch: pytest.MonkeyPatch) -> Iterator[ObjectStore]:
+        for var in _ENDPOINT_VARS:
+            monkeypatch.delenv(var, raising=False)
+        for name, value in ceph_rgw.env().items():
+            monkeypatch.setenv(name, value)
+        with S3Store.from_url(
+            ceph_rgw.store_url("kvcloud-contract", f"t-{uuid.uuid4().hex[:12]}")
+        ) as s:
             yield s
