@@ -135,46 +135,24 @@ end
 return out
 """
 
-# SET NX per entry: KEYS[i] and ARGV[2i + 1], ARGV[2i + 2] are the bucket, field and value of
-# the i-th entry; ARGV[1] now, ARGV[2] the TTL in ms. An expired or garbage value counts as
-# absent. Every 32nd new field of a bucket sweeps the bucket's expired fields, so a bucket
-# that keeps receiving entries cannot keep dead ones forever.
+# SET NX per entry: KEYS[i] and ARGV[2i + 2], ARGV[2i + 3] are the bucket, field and value of
+# the i-th entry; ARGV[1] now, ARGV[2] the TTL in ms, ARGV[3] '1' for field TTL (format 2
+# values: HSET clears a field's TTL, so HPEXPIRE follows it). An expired or garbage value
+# counts as absent. Every 32nd new field of a bucket sweeps the bucket's expired fields, so a
+# bucket that keeps receiving entries cannot keep dead ones forever (with field TTL the
+# server removes its own; the sweep finds value-expiry entries written before a switch).
 _REGISTER_SCRIPT = (
     _LUA_HELPERS
     + """
-local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+local now, ttl, field_ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3] == '1'
 local out = {}
 for i = 1, #KEYS do
-  local k, f = KEYS[i], ARGV[2 * i + 1]
+  local k, f = KEYS[i], ARGV[2 * i + 2]
   if live(redis.call('HGET', k, f), now) then
     out[i] = 0
   else
-    if redis.call('HSET', k, f, ARGV[2 * i + 2]) == 1 and redis.call('HLEN', k) % 32 == 0 then
-      sweep(k, now)
-    end
-    keep_bucket(k, ttl)
-    out[i] = 1
-  end
-end
-return out
-"""
-)
-
-# The same with field TTL (format 2 values): HSET clears a field's TTL, so HPEXPIRE follows
-# it. The sweep only finds value-expiry entries (an index written before the switch): the
-# server removes expired fields itself.
-_REGISTER_FIELD_TTL_SCRIPT = (
-    _LUA_HELPERS
-    + """
-local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
-local out = {}
-for i = 1, #KEYS do
-  local k, f = KEYS[i], ARGV[2 * i + 1]
-  if live(redis.call('HGET', k, f), now) then
-    out[i] = 0
-  else
-    local new = redis.call('HSET', k, f, ARGV[2 * i + 2]) == 1
-    redis.call('HPEXPIRE', k, ttl, 'FIELDS', 1, f)
+    local new = redis.call('HSET', k, f, ARGV[2 * i + 3]) == 1
+    if field_ttl then redis.call('HPEXPIRE', k, ttl, 'FIELDS', 1, f) end
     if new and redis.call('HLEN', k) % 32 == 0 then sweep(k, now) end
     keep_bucket(k, ttl)
     out[i] = 1
@@ -509,7 +487,6 @@ class RedisIndex(Index):
         self._sources = {
             "lookup": _LOOKUP_SCRIPT,
             "register": _REGISTER_SCRIPT,
-            "register_field_ttl": _REGISTER_FIELD_TTL_SCRIPT,
             "renew": _RENEW_SCRIPT,
             "drop": _DROP_SCRIPT,
             "legacy_drop": _LEGACY_DROP_SCRIPT,
@@ -727,11 +704,9 @@ class RedisIndex(Index):
             [field, _pack_value(ns, entry, expires_at)]
             for field, (_, entry) in zip(fields, entries, strict=True)
         ]
-        script = "register_field_ttl" if field_ttl else "register"
+        head = [repr(now), self._ttl_ms, "1" if field_ttl else "0"]
         with self._errors():
-            replies = self._run_batches(
-                script, self._buckets(ns, fields), [repr(now), self._ttl_ms], per_entry
-            )
+            replies = self._run_batches("register", self._buckets(ns, fields), head, per_entry)
         return [bool(r) for r in replies]
 
     def uses_field_ttl(self) -> bool:
