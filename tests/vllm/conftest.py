@@ -1,8 +1,10 @@
 """Real vLLM OpenAI servers (``.venv-vllm``) with and without the kvcloud connector.
 
-Starting vLLM takes ~40 s here and each server holds ~4 GB, so servers are shared: one
+Starting vLLM takes ~40 s here and each server holds ~3.3 GB, so servers are shared: one
 no-connector reference for the whole session, the rest per test module, each module's
-servers started together and torn down before the next module starts its own.
+servers started together and torn down before the next module starts its own. At most three
+per module: with the reference and the suite's own process (~4 GB by then) a fourth does
+not fit in 24 GiB (seen: the kernel killed pytest when one module ran five).
 """
 
 from __future__ import annotations
