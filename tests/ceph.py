@@ -23,8 +23,10 @@ import httpx
 
 from tests.servers import ServerProcess, free_port, wait_port
 
-ACCESS_KEY = "kvcloudceph"
-SECRET_KEY = "kvcloud-ceph-secret-key-0123456789"
+# the suite's dummy credentials (tests/servers.py s3_env), which every test process and worker
+# already has in its environment: the same tests can talk to moto_server and to Ceph
+ACCESS_KEY = "testing"
+SECRET_KEY = "testing"
 BINARIES = ("ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "monmaptool", "ceph")
 
 

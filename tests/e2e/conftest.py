@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from tests.servers import MotoServer, WorkerProcess, free_port
+from tests.ceph import CephRGW
+from tests.servers import WorkerProcess, free_port
 
 CHUNK = 16
 
@@ -68,13 +69,9 @@ class WorkerProc(WorkerProcess):
 
 
 @pytest.fixture
-def servers_urls(moto_server: MotoServer, redis_url: str) -> tuple[str, str]:
-    prefix = f"e2e-{uuid.uuid4().hex[:10]}"
-    store = (
-        f"s3://kvcloud/{prefix}?endpoint_url={moto_server.endpoint}&region=us-east-1"
-        "&create_bucket=true"
-    )
-    return store, redis_url
+def servers_urls(ceph_rgw: CephRGW, redis_url: str) -> tuple[str, str]:
+    """Ceph's S3 gateway and redis-server: production servers."""
+    return ceph_rgw.store_url("kvcloud", f"e2e-{uuid.uuid4().hex[:10]}"), redis_url
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvcloud import KVCloud
-from tests.servers import MotoServer
+from tests.ceph import CephRGW
 
 
 @dataclass(frozen=True)
@@ -23,18 +23,14 @@ class Backends:
 
 @pytest.fixture(params=["embedded", "servers"])
 def backends(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backends]:
-    """file:// + sqlite:// (the embedded default) and moto_server + redis-server processes."""
+    """file:// + sqlite:// (the embedded default) and Ceph RGW + redis-server processes."""
     if request.param == "embedded":
         yield Backends(
             "embedded", f"file://{tmp_path / 'objects'}", f"sqlite://{tmp_path / 'index.db'}"
         )
     else:
-        moto: MotoServer = request.getfixturevalue("moto_server")
+        ceph: CephRGW = request.getfixturevalue("ceph_rgw")
         redis_url: str = request.getfixturevalue("redis_url")
-        prefix = f"t-{uuid.uuid4().hex[:12]}"
         yield Backends(
-            "servers",
-            f"s3://kvcloud/{prefix}?endpoint_url={moto.endpoint}"
-            "&region=us-east-1&create_bucket=true",
-            redis_url,
+            "servers", ceph.store_url("kvcloud", f"t-{uuid.uuid4().hex[:12]}"), redis_url
         )
