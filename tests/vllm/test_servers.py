@@ -1,5 +1,6 @@
-"""Two vLLM servers sharing KV through moto_server (S3 over HTTP) + redis-server, and what
-happens to them when objects are corrupted or deleted and when Redis dies."""
+"""Two vLLM servers sharing KV through Ceph's S3 gateway (RGW, tests/ceph.py) + redis-server,
+production servers both, and what happens to them when objects are corrupted or deleted and
+when Redis dies."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from botocore.config import Config
 from kvcloud import KVCloud
 from kvcloud.integrations.vllm.config import VLLMConnectorConfig
 from scripts.vllm_fleet import VLLMServer, cached_tokens, kvcloud_transfer_config
-from tests.servers import MotoServer, RedisServer, s3_env, start_moto, start_redis
+from tests.ceph import CephRGW
+from tests.servers import RedisServer, s3_env, start_redis
 from tests.vllm.conftest import prompt_tokens, serving
 from tests.vllm.helpers import assert_same_answer, connector_namespace, wait_stored
 
@@ -26,21 +28,21 @@ SECRET = "vllm-servers-secret"
 
 
 @pytest.fixture(scope="module")
-def backends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[MotoServer, RedisServer]]:
-    # their own processes: this module kills Redis
-    moto = start_moto(tmp_path_factory.mktemp("vllm-moto"))
+def backends(
+    tmp_path_factory: pytest.TempPathFactory, ceph_rgw: CephRGW
+) -> Iterator[tuple[CephRGW, RedisServer]]:
+    # the session's Ceph; a Redis of the module's own: this module kills it
     redis = start_redis(tmp_path_factory.mktemp("vllm-redis"))
-    yield moto, redis
+    yield ceph_rgw, redis
     redis.stop()
-    moto.stop()
 
 
 @pytest.fixture(scope="module")
-def env(backends: tuple[MotoServer, RedisServer]) -> dict[str, str]:
-    moto, redis = backends
+def env(backends: tuple[CephRGW, RedisServer]) -> dict[str, str]:
+    ceph, redis = backends
     return {
-        **s3_env(moto.endpoint),
-        "KVCLOUD_STORE": moto.store_url(prefix="vllm") + "&create_bucket=true",
+        **s3_env(ceph.endpoint),
+        "KVCLOUD_STORE": ceph.store_url("kvcloud", "vllm"),
         "KVCLOUD_INDEX": redis.url,
         "KVCLOUD_SECRET": SECRET,
         # a dead Redis must cost a request at most this, not a long hang
@@ -89,17 +91,17 @@ def test_corrupt_and_deleted_objects_and_dead_redis_are_recomputed(
     servers: dict[str, VLLMServer],
     reference: VLLMServer,
     env: dict[str, str],
-    backends: tuple[MotoServer, RedisServer],
+    backends: tuple[CephRGW, RedisServer],
 ) -> None:
     s1, s2 = servers["S1"], servers["S2"]
     prompt = prompt_tokens(1800, seed=13)  # 7 full chunks
     s1.complete(prompt, max_tokens=2)
     keys = _object_keys(env, s1, prompt)
     assert len(keys) == 7
-    moto, redis = backends
+    ceph, redis = backends
     s3 = boto3.client(
         "s3",
-        endpoint_url=moto.endpoint,
+        endpoint_url=ceph.endpoint,
         region_name="us-east-1",
         config=Config(s3={"addressing_style": "path"}),
     )
