@@ -21,12 +21,12 @@ from pathlib import Path
 
 import httpx
 
-from tests.servers import ServerProcess, free_port, wait_port
+from tests.servers import ServerProcess, free_port, s3_env
 
 # the suite's dummy credentials (tests/servers.py s3_env), which every test process and worker
 # already has in its environment: the same tests can talk to moto_server and to Ceph
-ACCESS_KEY = "testing"
-SECRET_KEY = "testing"
+ACCESS_KEY = s3_env("")["AWS_ACCESS_KEY_ID"]
+SECRET_KEY = s3_env("")["AWS_SECRET_ACCESS_KEY"]
 BINARIES = ("ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "monmaptool", "ceph")
 
 
@@ -88,11 +88,7 @@ class CephRGW:
         return f"http://127.0.0.1:{self.rgw_port}"
 
     def env(self) -> dict[str, str]:
-        return {
-            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-            "AWS_DEFAULT_REGION": "us-east-1",
-        }
+        return s3_env(self.endpoint)  # the user was made with the suite's dummy credentials
 
     def store_url(self, bucket: str = "kvcloud", prefix: str = "") -> str:
         path = f"/{prefix}" if prefix else ""
@@ -228,10 +224,7 @@ def start_ceph_rgw(workdir: Path, osd_bytes: int = 1 << 30) -> CephRGW:
             "--display-name", "kvcloud tests", "--access-key", ACCESS_KEY,
             "--secret-key", SECRET_KEY)  # fmt: skip
     except BaseException:
-        tail = cluster.tail()
+        print(cluster.tail())  # the daemons' logs go with the failure
         cluster.stop()
-        if isinstance(tail, str) and tail:
-            print(tail)
         raise
-    wait_port(rgw_port)
     return cluster
