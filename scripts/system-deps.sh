@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the system programs the test suite starts as real processes, when missing:
-# redis-server (the index), prometheus (the live dashboard test) and Ceph's monitor, OSD and
-# S3 gateway (tests/ceph.py: the production S3 server of the integration tests). Redis 8 and
+# redis-server (the index), prometheus (the live dashboard test), Ceph's monitor, OSD and
+# S3 gateway (tests/ceph.py: the production S3 server of the integration tests) and OpenStack
+# Swift with its S3 API (tests/swift.py: an S3 server without conditional writes). Redis 8 and
 # Valkey 9 come from PyPI wheels (the dev extras). Debian/Ubuntu apt only; elsewhere it names
 # what to install and fails.
 set -euo pipefail
@@ -12,6 +13,11 @@ command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
 command -v ceph-mon >/dev/null 2>&1 || missing+=(ceph-mon)
 command -v ceph-osd >/dev/null 2>&1 || missing+=(ceph-osd)
 command -v radosgw >/dev/null 2>&1 || missing+=(radosgw)
+command -v swift-ring-builder >/dev/null 2>&1 || missing+=(swift)
+command -v swift-proxy-server >/dev/null 2>&1 || missing+=(swift-proxy)
+command -v swift-object-server >/dev/null 2>&1 || missing+=(swift-object)
+command -v swift-container-server >/dev/null 2>&1 || missing+=(swift-container)
+command -v swift-account-server >/dev/null 2>&1 || missing+=(swift-account)
 if ((${#missing[@]} == 0)); then
     exit 0
 fi

@@ -57,6 +57,7 @@ osd_pool_default_pgp_num = 8
 osd_pool_default_pg_autoscale_mode = off
 osd_crush_chooseleaf_type = 0
 osd_objectstore = memstore
+osd_fast_shutdown = false
 memstore_device_bytes = {osd_bytes}
 run_dir = {d}/run
 admin_socket = {d}/run/$name.asok
@@ -97,14 +98,24 @@ class CephRGW:
             "&addressing_style=path&create_bucket=true"
         )
 
-    def _ceph(self, *args: str, timeout: float = 30) -> str:
-        return subprocess.run(
-            ["ceph", "-c", str(self.conf), *args],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        ).stdout
+    def _ceph(self, *args: str, timeout: float = 30, attempts: int = 5) -> str:
+        for attempt in range(attempts):
+            proc = subprocess.run(
+                ["ceph", "-c", str(self.conf), *args],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+            if proc.returncode == 0:
+                return proc.stdout
+            # a client that asks before it has the monitor map sends a zero fsid and is
+            # refused ("wrong fsid", EPERM); asked again, it has the map
+            if attempt == attempts - 1 or "Operation not permitted" not in proc.stderr:
+                raise subprocess.CalledProcessError(
+                    proc.returncode, proc.args, proc.stdout, proc.stderr
+                )
+            time.sleep(0.2)
+        raise AssertionError("unreachable")
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = self.dir / "log" / f"{name}.out"
@@ -167,6 +178,13 @@ class CephRGW:
     def restart_rgw(self) -> None:
         self.stop_rgw()
         self.start_rgw()
+
+    def osd_full(self) -> bool:
+        """Ceph flags the OSD full (past ``mon_osd_full_ratio``): writes are held, reads go on."""
+        return '"OSD_FULL"' in self._ceph("health", "-f", "json")
+
+    def set_full_ratio(self, ratio: float) -> None:
+        self._ceph("osd", "set-full-ratio", str(ratio))
 
     def tail(self, n: int = 20) -> str:
         out = []

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from tests.ceph import CephRGW, start_ceph_rgw
+from tests.rclone import RcloneS3, start_rclone_s3
 from tests.servers import MotoServer, RedisServer, s3_env, start_moto, start_redis
+from tests.swift import SwiftS3, start_swift_s3
 
 # Tests never touch real AWS credentials or the developer's config.
 for _k, _v in s3_env("").items():
@@ -36,6 +38,22 @@ def ceph_rgw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CephRGW]:
     cluster = start_ceph_rgw(tmp_path_factory.mktemp("ceph"))
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def swift_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SwiftS3]:
+    """OpenStack Swift's S3 API: refuses conditional writes (501)."""
+    server = start_swift_s3(tmp_path_factory.mktemp("swift"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def rclone_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RcloneS3]:
+    """``rclone serve s3`` over a local directory: ignores conditional writes."""
+    server = start_rclone_s3(tmp_path_factory.mktemp("rclone"))
+    yield server
+    server.stop()
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import http.client
 import io
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, closing
 from dataclasses import dataclass, field, fields
@@ -20,6 +21,7 @@ from urllib.parse import urlencode, urlsplit
 
 from ..errors import ConfigError, ObjectNotFoundError, StoreError, StoreUnavailableError
 from ..urls import env_bool, redact_url, split_url
+from . import s3_writes
 from .base import Buffer, BufferParts, ObjectInfo, ObjectStore, join_parts, validate_key
 
 if TYPE_CHECKING:
@@ -114,9 +116,13 @@ class S3Config:
     with backoff on throttling, 5xx and connection errors. URL: ``?max_attempts=…``.
     Env: ``AWS_MAX_ATTEMPTS``."""
 
-    conditional_put: bool = field(default=True, metadata={"query": "conditional_put"})
-    """Send ``If-None-Match: *`` so an existing object is not rewritten and ``put`` can report
-    it. Turn off for servers that reject the header. URL: ``?conditional_put=…``."""
+    conditional_put: str = field(default="auto", metadata={"query": "conditional_put"})
+    """How ``put`` avoids rewriting an existing object and tells that it existed: ``on`` sends
+    ``If-None-Match: *`` and trusts the server's 412; ``off`` asks with a HEAD first; ``auto``
+    finds out on the first write whether the server honours the header (AWS, MinIO, Ceph) or
+    ignores or refuses it (rclone, Swift s3api) and does the right one. A 501 to the header
+    always falls back to HEAD-first (see ``s3_writes``). Booleans mean on and off.
+    URL: ``?conditional_put=auto|on|off``."""
 
     sign_payload: bool = field(default=False, metadata={"query": "sign_payload"})
     """SigV4-sign the body (``x-amz-content-sha256`` of the payload) instead of sending
@@ -157,6 +163,10 @@ class S3Config:
             )
         if not self.region:
             raise ConfigError("S3 region must not be empty")
+        try:
+            self.conditional_put = s3_writes.parse_mode(self.conditional_put)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         for name in ("max_connections", "max_attempts"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"S3 {name} must be at least 1")
@@ -246,7 +256,7 @@ _CONVERTERS: dict[str, Callable[[str], Any]] = {
     "max_attempts": int,
     "connect_timeout": float,
     "read_timeout": float,
-    "conditional_put": env_bool,
+    "conditional_put": s3_writes.parse_mode,
     "create_bucket": env_bool,
     "sign_payload": env_bool,
 }
@@ -294,6 +304,8 @@ class S3Store(ObjectStore):
         self.url = config.url
         self._key_prefix = f"{config.prefix}/" if config.prefix else ""
         self._where = redact_url(config.endpoint_url) if config.endpoint_url else "AWS S3"
+        self._writes: str | None = None  # see conditional_writes()
+        self._writes_lock = threading.Lock()
         # botocore clients are thread-safe once built, so the whole pool shares this one.
         self._client = session.create_client(
             "s3",
@@ -404,14 +416,29 @@ class S3Store(ObjectStore):
     # -- ObjectStore ----------------------------------------------------------------------------
 
     def put(self, key: str, data: Buffer | BufferParts) -> bool:
-        from botocore.exceptions import BotoCoreError, ClientError
-
         s3_key = self._s3_key(key)
         data = join_parts(data)
+        if self.conditional_writes() == s3_writes.HONOURED:
+            written = self._put(s3_key, data, key, conditional=True)
+            if written is not None:
+                return written
+            # 501 after all (a proxy or an upgrade in between): HEAD-first from now on
+            self._learn(s3_writes.REFUSED)
+        if self.head(key) is not None:
+            return False
+        # Two writers that both saw "absent" write the same bytes (content addressing).
+        self._put(s3_key, data, key, conditional=False)
+        return True
+
+    def _put(self, s3_key: str, data: Buffer, key: str, *, conditional: bool) -> bool | None:
+        """One PUT: True when written, False on 412/409 (it exists), None when the server
+        refused the conditional header."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
         # a file-like view: no copy of the object before it goes on the wire
         body = data if isinstance(data, bytes) else _BufferBody(data)
         kwargs: dict[str, Any] = {"Bucket": self.config.bucket, "Key": s3_key, "Body": body}
-        if self.config.conditional_put:
+        if conditional:
             kwargs["IfNoneMatch"] = "*"
         try:
             self._client.put_object(**kwargs)
@@ -420,16 +447,46 @@ class S3Store(ObjectStore):
             # 412: the object exists. 409: a concurrent conditional PUT of the same key is in
             # flight; content addressing means it carries the same bytes, so "exists" is
             # the right answer (and if that writer fails, the index entry is only a hint).
-            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (
-                409,
-                412,
+            if conditional and (
+                code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412)
             ):
                 return False
+            if conditional and s3_writes.refused(code, status):
+                return None
             raise self._error("put", key, exc) from exc
         except BotoCoreError as exc:
             raise self._error("put", key, exc) from exc
-        # Servers that ignore If-None-Match overwrite with identical bytes and say 200.
         return True
+
+    def conditional_writes(self) -> str:
+        """What the server does with ``If-None-Match: *`` (``s3_writes.HONOURED``,
+        ``IGNORED`` or ``REFUSED``), or ``OFF`` when configured not to send it. Under
+        ``conditional_put=auto`` the first call probes the server (two PUTs and a DELETE of
+        a throwaway key), once per process and endpoint; store errors propagate."""
+        if self._writes is not None:
+            return self._writes
+        with self._writes_lock:
+            if self._writes is None:
+                mode = self.config.conditional_put
+                if mode == "off":
+                    self._writes = s3_writes.OFF
+                elif mode == "on":
+                    self._writes = s3_writes.HONOURED
+                else:
+                    found = s3_writes.remembered(self.config.endpoint_url, self.config.bucket)
+                    if found is None:
+                        found = s3_writes.probe(
+                            lambda k: self._put(k, b"probe", k, conditional=True),
+                            lambda k: self._client.delete_object(Bucket=self.config.bucket, Key=k),
+                            self._key_prefix,
+                        )
+                    self._learn(found)
+        assert self._writes is not None
+        return self._writes
+
+    def _learn(self, mode: str) -> None:
+        self._writes = mode
+        s3_writes.remember(self.config.endpoint_url, self.config.bucket, self._where, mode)
 
     def get(self, key: str) -> bytes:
         from botocore.exceptions import BotoCoreError, ClientError
@@ -460,6 +517,10 @@ class S3Store(ObjectStore):
                 Key=s3_key,
                 CopySource={"Bucket": self.config.bucket, "Key": s3_key},
                 MetadataDirective="REPLACE",
+                # rclone serve s3 keeps a bare self-copy's new Last-Modified in memory only
+                # (its listings and a restart show the old one); it sets the file's mtime
+                # from this. Harmless elsewhere: the metadata is never read.
+                Metadata={"mtime": f"{time.time():.3f}"},
             )
         except ClientError as exc:
             if self._not_found(exc):
@@ -525,10 +586,16 @@ class S3Store(ObjectStore):
 
         cut = len(self._key_prefix)
         paginator = self._client.get_paginator("list_objects_v2")
+        last = None
         try:
             pages = paginator.paginate(Bucket=self.config.bucket, Prefix=self._key_prefix + prefix)
             for page in pages:
                 for obj in page.get("Contents", ()):
+                    # rclone serve s3 can list a key twice right after concurrent PUTs of it;
+                    # listings are sorted, so the copies are neighbours
+                    if obj["Key"] == last:
+                        continue
+                    last = obj["Key"]
                     yield ObjectInfo(
                         key=obj["Key"][cut:],
                         size=int(obj["Size"]),

@@ -117,7 +117,8 @@ class StoreContract:
         else:
             assert results.count(True) >= 1, results
         assert store.get("hot/key") == data
-        assert [i.key for i in store.list()] == ["hot/key"]
+        keys = [i.key for i in store.list()]
+        assert keys == ["hot/key"], keys
 
     # -- get / head / delete ------------------------------------------------------------------
 
@@ -152,6 +153,9 @@ class StoreContract:
         assert store.touch("t/obj") is True
         second = store.head("t/obj")
         assert second is not None and second.last_modified > first.last_modified
+        # gc reads mtimes from the listing first: the refresh must show there too
+        (listed,) = [i for i in store.list("t/") if i.key == "t/obj"]
+        assert listed.last_modified > first.last_modified
         assert store.get("t/obj") == data
         assert store.touch("t/missing") is False
 

@@ -93,3 +93,73 @@ class TestS3StoreCephRGW(StoreContract):
             ceph_rgw.store_url("kvcloud-contract", f"t-{uuid.uuid4().hex[:12]}")
         ) as s:
             yield s
+
+
+class _WithoutConditionalWrites(StoreContract):
+    """S3 servers that do not honour ``If-None-Match: *``: the store finds out on its first
+    write and asks with a HEAD before each PUT, so an existing object is still reported and
+    never rewritten. Two racing PUTs of one absent key can both write (the same bytes)."""
+
+    atomic_create = False
+    server_fixture: str
+
+    @pytest.fixture
+    def store(
+        self, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+    ) -> Iterator[ObjectStore]:
+        server = request.getfixturevalue(self.server_fixture)
+        for var in _ENDPOINT_VARS:
+            monkeypatch.delenv(var, raising=False)
+        for name, value in server.env().items():
+            monkeypatch.setenv(name, value)
+        with S3Store.from_url(
+            server.store_url("kvcloud-contract", f"t-{uuid.uuid4().hex[:12]}")
+        ) as s:
+            yield s
+
+
+@pytest.mark.integration
+class TestS3StoreSwift(_WithoutConditionalWrites):
+    """OpenStack Swift's s3api (tests/swift.py): answers 501 to a conditional PUT."""
+
+    server_fixture = "swift_s3"
+
+
+@pytest.mark.integration
+class TestS3StoreRclone(_WithoutConditionalWrites):
+    """``rclone serve s3`` (tests/rclone.py): accepts a conditional PUT and overwrites."""
+
+    server_fixture = "rclone_s3"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("server_fixture", "found"),
+    [
+        ("moto_server", "honoured"),
+        ("ceph_rgw", "honoured"),
+        ("swift_s3", "refused"),
+        ("rclone_s3", "ignored"),
+    ],
+)
+def test_the_store_finds_what_the_server_does_with_conditional_writes(
+    server_fixture: str, found: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvcloud.stores import s3_writes
+
+    server = request.getfixturevalue(server_fixture)
+    if hasattr(server, "env"):
+        for name, value in server.env().items():
+            monkeypatch.setenv(name, value)
+    s3_writes.forget()
+    prefix = f"probe-{uuid.uuid4().hex[:12]}"
+    url = server.store_url("kvcloud-contract", prefix)
+    if "create_bucket" not in url:
+        url += "&create_bucket=true"
+    with S3Store.from_url(url) as s:
+        assert s.put("ns/ab/obj", b"first") is True
+        assert s.conditional_writes() == found
+        assert s.put("ns/ab/obj", b"second") is False
+        assert s.get("ns/ab/obj") == b"first"
+        # the probe deleted its throwaway key again
+        assert [i.key for i in s.list()] == ["ns/ab/obj"]

@@ -12,7 +12,7 @@ import pytest
 from botocore.stub import Stubber
 
 from kvcloud.errors import ConfigError, ObjectNotFoundError, StoreError, StoreUnavailableError
-from kvcloud.stores import S3Config, S3Store, open_store
+from kvcloud.stores import S3Config, S3Store, open_store, s3_writes
 from tests.servers import MotoServer, free_port
 
 SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYEXAMPLEKEY"
@@ -27,9 +27,12 @@ _AWS_VARS = (
 
 
 @pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for var in _AWS_VARS:
         monkeypatch.delenv(var, raising=False)
+    s3_writes.forget()  # each test's server is new, whatever the endpoint says
+    yield
+    s3_writes.forget()
 
 
 @pytest.fixture
@@ -59,7 +62,7 @@ def test_defaults() -> None:
     assert c.connect_timeout == 2.0
     assert c.read_timeout == 10.0
     assert c.max_attempts == 5
-    assert c.conditional_put is True
+    assert c.conditional_put == "auto"
     assert c.create_bucket is False
 
 
@@ -79,7 +82,7 @@ def test_url_parsing() -> None:
     assert c.connect_timeout == 0.5
     assert c.read_timeout == 3.0
     assert c.max_attempts == 2
-    assert c.conditional_put is False
+    assert c.conditional_put == "off"
     assert c.create_bucket is True
 
 
@@ -220,30 +223,117 @@ def test_requests_use_path_style_and_send_if_none_match(moto_server: MotoServer)
         sent.append((request.method, request.url, headers))
 
     url = moto_server.store_url("path-style-check", "pfx") + "&create_bucket=true"
+    key_url = f"{moto_server.endpoint}/path-style-check/pfx/k/1"
     with S3Store.from_url(url) as store:
         store._client.meta.events.register("before-send.s3", capture)
         assert store.put("k/1", b"hello") is True
         assert store.put("k/1", b"hello") is False  # moto_server answers 412
         assert store.get("k/1") == b"hello"
-    method, req_url, headers = sent[0]
-    assert method == "PUT"
-    assert req_url == f"{moto_server.endpoint}/path-style-check/pfx/k/1"
-    assert headers.get("If-None-Match") == "*"
+        assert store.conditional_writes() == s3_writes.HONOURED
+        # the probe's throwaway key is gone again
+        assert [o.key for o in store.list()] == ["k/1"]
+    # the first write probed the server: two conditional PUTs and a DELETE of one key
+    probe = [(m, u) for m, u, _ in sent[:3]]
+    assert [m for m, _ in probe] == ["PUT", "PUT", "DELETE"]
+    assert probe[0][1].startswith(f"{moto_server.endpoint}/path-style-check/pfx/_kvcloud/")
+    assert len({u for _, u in probe}) == 1
+    mine = [(m, h) for m, u, h in sent if u == key_url]
+    assert [m for m, _ in mine] == ["PUT", "PUT", "GET"]  # no HEAD: the server says 412
+    assert all(h.get("If-None-Match") == "*" for m, h in mine if m == "PUT")
     # when_required: no flexible checksum computed for a plain PUT
-    assert not any(h.lower().startswith("x-amz-checksum-") for h in headers)
-    assert sent[2][1] == req_url  # GET, same path-style URL
+    assert not any(h.lower().startswith("x-amz-checksum-") for h in mine[0][1])
 
 
-def test_conditional_put_off_overwrites(mock_s3: None) -> None:
-    sent: list[dict[str, str]] = []
+def _serve_like(store: S3Store, behaviour: str) -> list[tuple[str, bool]]:
+    """Make moto_server look like a server without conditional writes (a hook in the
+    client: in-process moto would still apply a request the hook answers): ``refuse`` answers
+    a PUT carrying If-None-Match with 501 NotImplemented (Swift s3api), ``ignore`` drops the
+    header before it is sent (rclone serve s3). Returns (method, had If-None-Match) per
+    request."""
+    from botocore.awsrequest import AWSResponse
+
+    seen: list[tuple[str, bool]] = []
+
+    def hook(request: Any, **_: Any) -> Any:
+        conditional = "If-None-Match" in request.headers
+        seen.append((request.method, conditional))
+        if conditional and behaviour == "refuse":
+            body = (
+                b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>NotImplemented</Code>"
+                b"<Message>A header you provided implies functionality that is not "
+                b"implemented.</Message></Error>"
+            )
+            return AWSResponse(request.url, 501, {"Content-Type": "application/xml"}, _Raw(body))
+        if conditional and behaviour == "ignore":
+            del request.headers["If-None-Match"]
+        return None
+
+    store._client.meta.events.register_first("before-send.s3", hook)
+    return seen
+
+
+class _Raw:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def stream(self, **_: Any) -> Iterator[bytes]:
+        yield self.data
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "found"), [("refuse", s3_writes.REFUSED), ("ignore", s3_writes.IGNORED)]
+)
+def test_servers_without_conditional_writes_are_found_and_never_rewritten(
+    moto_server: MotoServer, behaviour: str, found: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = moto_server.store_url("unconditional", f"p-{time.monotonic_ns()}")
+    with S3Store.from_url(url + "&create_bucket=true") as store:
+        seen = _serve_like(store, behaviour)
+        with caplog.at_level("WARNING", logger="kvcloud.stores.s3"):
+            assert store.put("k", b"one") is True
+        assert store.conditional_writes() == found
+        assert "HEAD before each write" in caplog.text
+        probe_requests = len(seen)
+        assert store.put("k", b"one") is False  # it exists, by HEAD: not written again
+        assert store.get("k") == b"one"
+        # after the probe: HEAD + PUT for the first write, HEAD alone for the second, no
+        # conditional header ever again
+        assert seen[probe_requests:] == [("HEAD", False), ("GET", False)]
+        assert [o.key for o in store.list()] == ["k"]  # the probe key was deleted
+    # the next store of this process for the same server does not probe again
+    with S3Store.from_url(url) as store:
+        seen = _serve_like(store, behaviour)
+        assert store.put("k2", b"two") is True
+        assert seen == [("HEAD", False), ("PUT", False)]
+
+
+def test_a_501_after_a_good_probe_falls_back_without_failing_the_write(
+    moto_server: MotoServer,
+) -> None:
+    url = moto_server.store_url("unconditional", f"p-{time.monotonic_ns()}")
+    with S3Store.from_url(url + "&create_bucket=true&conditional_put=on") as store:
+        seen = _serve_like(store, "refuse")
+        assert store.put("k", b"one") is True  # 501, then HEAD, then a plain PUT
+        assert seen == [("PUT", True), ("HEAD", False), ("PUT", False)]
+        assert store.conditional_writes() == s3_writes.REFUSED
+        assert store.put("k", b"one") is False
+        assert store.get("k") == b"one"
+
+
+def test_conditional_put_off_asks_with_head_first(mock_s3: None) -> None:
+    sent: list[tuple[str, dict[str, str]]] = []
     with S3Store(S3Config(bucket="bkt", create_bucket=True, conditional_put=False)) as store:
-        store._client.meta.events.register(
-            "before-send.s3.PutObject", lambda request, **_: sent.append(dict(request.headers))
-        )
+        assert store.conditional_writes() == s3_writes.OFF
+
+        def capture(request: Any, **_: Any) -> None:
+            sent.append((request.method, dict(request.headers)))
+
+        store._client.meta.events.register("before-send.s3", capture)
         assert store.put("k", b"one") is True
-        assert store.put("k", b"two") is True  # the server cannot refuse; we cannot tell
-        assert store.get("k") == b"two"
-    assert sent and all("If-None-Match" not in h for h in sent)
+        assert store.put("k", b"two") is False  # HEAD found it: the first bytes stay
+        assert store.get("k") == b"one"
+    assert [m for m, _ in sent] == ["HEAD", "PUT", "HEAD", "GET"]
+    assert all("If-None-Match" not in h for _, h in sent)
 
 
 # -- error mapping ------------------------------------------------------------------------------
@@ -260,7 +350,8 @@ def stubbed(store: S3Store, method: str, code: str, status: int) -> Stubber:
     ("code", "status"), [("PreconditionFailed", 412), ("ConditionalRequestConflict", 409)]
 )
 def test_put_conflicts_mean_exists(code: str, status: int) -> None:
-    with offline_store(max_attempts=1) as store:
+    # "on": trust the server's 412/409 (no probe, which the stub would have to answer)
+    with offline_store(max_attempts=1, conditional_put="on") as store:
         stub = stubbed(store, "put_object", code, status)
         assert store.put("k", b"x") is False
         stub.assert_no_pending_responses()

@@ -1,0 +1,348 @@
+"""Ceph's own failures under a worker: the OSD stopped during pulls and pushes, the S3 gateway
+restarted during a push, the OSD full.
+
+Ceph does not fail like an emulator. With its OSD down or full, the gateway accepts the
+connection and then holds the request (RADOS waits for the placement group to come back, or
+for space); only the worker's own timeout ends it. And a PUT the worker gave up on may still
+complete later inside Ceph. So the checks here are the invariants, not a status code: every
+answer equals the reference within the bound, no entry ever names an object that is not
+stored whole (checked object by object and by ``kvcloud verify --deep``), and afterwards
+``verify`` and ``gc`` agree with a plain boto3 listing of the bucket: gc deletes exactly the
+orphans verify counted, and what is left is exactly what the index names.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+
+from kvcloud.indexes import open_index
+from kvcloud.maintenance import gc, verify
+from kvcloud.stores import open_store
+from tests.ceph import CephRGW, start_ceph_rgw
+from tests.faults.conftest import (
+    CHUNK,
+    REQUEST_BOUND_S,
+    Reference,
+    Worker,
+    answer,
+    assert_verified,
+    body,
+    text,
+    wait_for,
+)
+from tests.faults.report import Observation
+
+pytestmark = pytest.mark.integration
+
+PROMPT_CHARS = 82  # + BOS: 5 full chunks, generation stays in the tail
+FULL = 5 * CHUNK
+
+
+@pytest.fixture(scope="module")
+def own_ceph(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CephRGW]:
+    """A cluster of this module's own: its daemons are stopped and restarted here."""
+    cluster = start_ceph_rgw(tmp_path_factory.mktemp("ceph-faults"))
+    yield cluster
+    cluster.stop()
+
+
+def _store(cluster: CephRGW, name: str) -> str:
+    return cluster.store_url("kvcloud", f"{name}-{time.monotonic_ns()}")
+
+
+def _listed(cluster: CephRGW, store_url: str) -> set[str]:
+    """Object keys under the store's prefix, by a plain boto3 ListObjectsV2 (no kvcloud)."""
+    prefix = store_url.split("?")[0].removeprefix("s3://kvcloud/") + "/"
+    s3 = boto3.client("s3", endpoint_url=cluster.endpoint, region_name="us-east-1")
+    keys: set[str] = set()
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket="kvcloud", Prefix=prefix):
+        keys |= {o["Key"].removeprefix(prefix) for o in page.get("Contents", [])}
+    return keys
+
+
+def _gc_agrees(cluster: CephRGW, store_url: str, index_url: str) -> dict[str, Any]:
+    """verify's orphans are what gc (grace 0) deletes, and afterwards the bucket holds
+    exactly the objects the index and the session records name."""
+    before = _listed(cluster, store_url)
+    with open_store(store_url) as store, open_index(index_url) as index:
+        v = verify(store, index, deep=True)
+        g = gc(store, index, grace_seconds=0, settle_seconds=0)
+        after_v = verify(store, index, deep=True)
+    after = _listed(cluster, store_url)
+    assert v.clean and after_v.clean, (v.problems[:5], after_v.problems[:5])
+    assert v.objects == len(before)
+    assert g.objects_deleted == v.orphans, (g, v.orphans)
+    assert set(g.deleted_keys) == before - after
+    assert after_v.orphans == 0
+    assert len(after) == after_v.objects == after_v.referenced_objects
+    return {
+        "objects_before_gc": len(before),
+        "orphans_verify_counted": v.orphans,
+        "objects_gc_deleted": g.objects_deleted,
+        "objects_after_gc": len(after),
+        "entries_after_gc": after_v.entries_ok,
+    }
+
+
+def _uploads(w: Worker) -> dict[str, float]:
+    m = w.metrics()
+    return {
+        r: m.get(f'kvcloud_worker_uploads_total{{result="{r}"}}', 0.0)
+        for r in ("ok", "failed", "dropped")
+    }
+
+
+def _serve(w: Worker, p: str, reference: Reference, latencies: list[float]) -> dict[str, Any]:
+    out = w.complete(body(p), timeout=4 * REQUEST_BOUND_S)
+    latencies.append(out["_elapsed"])
+    assert out["_elapsed"] < REQUEST_BOUND_S, f"{out['_elapsed']:.1f}s"
+    assert answer(out) == reference.tokens(p)
+    return out["kvcloud"]
+
+
+def test_osd_stopped_during_pulls_and_pushes(
+    own_ceph: CephRGW,
+    redis_url: str,
+    spawn: Callable[..., Worker],
+    reference: Reference,
+    reliability: Observation,
+) -> None:
+    reliability.scenario = "Ceph OSD stopped while a worker pulls and pushes, then started again"
+    reliability.must = (
+        "answers equal the reference within 15 s while every RADOS op hangs; pulls fall back "
+        "(counted), pushes fail (counted) and register nothing; after the OSD returns pulls hit "
+        "again; verify --deep is clean and gc deletes exactly the orphans verify counted"
+    )
+    store = _store(own_ceph, "osd")
+    stored = [text(PROMPT_CHARS, 1100 + i) for i in range(4)]
+    fresh = [text(PROMPT_CHARS, 1200 + i) for i in range(4)]
+    for p in stored + fresh:
+        reference.tokens(p)
+    a = spawn("a", store, redis_url, write_policy="write-through")
+    for p in stored:
+        _serve(a, p, reference, [])
+    assert a.drain()
+    b = spawn("b", store, redis_url, cache_pages=8, write_policy="write-through")
+    latencies: list[float] = []
+    assert _serve(b, stored[0], reference, latencies)["tokens_remote"] == FULL
+
+    m0, up0 = b.metrics(), _uploads(b)
+    # the OSD goes down while B's requests are in flight: pulls of stored prompts and
+    # write-through pushes of fresh ones, interleaved
+    order = [stored[1], fresh[0], stored[2], fresh[1], stored[3], fresh[2]]
+    errors: list[BaseException] = []
+    outage: list[dict[str, Any]] = []
+
+    def traffic() -> None:
+        try:
+            for p in order:
+                outage.append(_serve(b, p, reference, latencies))
+        except BaseException as exc:  # re-raised in the test thread
+            errors.append(exc)
+
+    t = threading.Thread(target=traffic, daemon=True)
+    t.start()
+    time.sleep(0.3)
+    own_ceph.stop_osd()
+    stopped_at = time.monotonic()
+    t.join(120)
+    assert not t.is_alive(), "requests hung with the OSD down"
+    if errors:
+        raise errors[0]
+    hung_s = time.monotonic() - stopped_at
+    assert b.drain(timeout=90), "uploads never settled with the OSD down"
+    m1, up1 = b.metrics(), _uploads(b)
+    fallbacks = (
+        m1["kvcloud_worker_remote_fallbacks_total"] - m0["kvcloud_worker_remote_fallbacks_total"]
+    )
+    failed = up1["failed"] - up0["failed"] + up1["dropped"] - up0["dropped"]
+    assert fallbacks >= 1, "no pull fell back while the OSD was down"
+    assert failed >= 1, "no push failed while the OSD was down: the test did not test"
+    outage_latencies = latencies[1:]
+
+    own_ceph.start_osd()
+    # RGW finishes the requests it was holding, then serves again: the stored prompts hit
+    restored: dict[str, Any] = {}
+
+    def pulls_again() -> bool:
+        restored.update(_serve(b, stored[1], reference, latencies))
+        return restored["tokens_remote"] == FULL
+
+    # B's memory holds at most 8 pages, so the fresh prompts pushed the stored ones out
+    for p in fresh[:2]:
+        _serve(b, p, reference, latencies)
+    assert wait_for(pulls_again, 60, interval=1.0), restored
+    _serve(b, fresh[3], reference, latencies)  # a push after the outage lands
+    assert b.drain(timeout=60)
+    up2 = _uploads(b)
+    assert up2["ok"] > up1["ok"]
+
+    summary = assert_verified(store, redis_url, reliability)
+    agreed = _gc_agrees(own_ceph, store, redis_url)
+    reliability.note(
+        requests=len(latencies),
+        max_latency_s=round(max(latencies), 2),
+        max_latency_osd_down_s=round(max(outage_latencies), 2),
+        requests_during_outage=len(outage),
+        outage_s=round(hung_s, 1),
+        pull_fallbacks_osd_down=fallbacks,
+        uploads_failed_or_dropped_osd_down=failed,
+        uploads_ok_after=up2["ok"] - up1["ok"],
+        entries=summary["entries"],
+        **agreed,
+    )
+
+
+def test_gateway_restarted_during_a_push(
+    own_ceph: CephRGW,
+    redis_url: str,
+    spawn: Callable[..., Worker],
+    reference: Reference,
+    reliability: Observation,
+) -> None:
+    reliability.scenario = "Ceph RGW (the S3 gateway) stopped mid-push and started again"
+    reliability.must = (
+        "answers equal the reference within 15 s; uploads in flight fail (counted) and "
+        "register nothing; after the restart a fresh worker restores every prompt whose "
+        "upload landed and recomputes the rest; verify --deep clean, gc deletes exactly the "
+        "orphans verify counted"
+    )
+    store = _store(own_ceph, "rgw")
+    prompts = [text(PROMPT_CHARS, 1300 + i) for i in range(10)]
+    for p in prompts:
+        reference.tokens(p)
+    a = spawn("a", store, redis_url, write_policy="write-through")
+    latencies: list[float] = []
+    _serve(a, prompts[0], reference, latencies)
+    assert a.drain()
+    up0 = _uploads(a)
+    errors: list[BaseException] = []
+
+    def traffic() -> None:
+        try:
+            for p in prompts[1:]:
+                _serve(a, p, reference, latencies)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=traffic, daemon=True)
+    t.start()
+    time.sleep(0.5)
+    own_ceph.stop_rgw()
+    time.sleep(2.0)  # long enough for every retry of the uploads in flight to fail
+    own_ceph.start_rgw()
+    t.join(120)
+    assert not t.is_alive()
+    if errors:
+        raise errors[0]
+    assert a.drain(timeout=60)
+    up1 = _uploads(a)
+    failed = up1["failed"] - up0["failed"] + up1["dropped"] - up0["dropped"]
+    assert failed >= 1, "no upload failed while the gateway was down: the test did not test"
+
+    summary = assert_verified(store, redis_url, reliability)
+    b = spawn("b", store, redis_url)
+    remote = [_serve(b, p, reference, latencies)["tokens_remote"] for p in prompts]
+    # each prompt either restores whole or partly from what landed, or recomputes; the
+    # answers above were all the reference's
+    assert remote[0] == FULL
+    assert any(r < FULL for r in remote), "every upload landed: the restart missed the push"
+    agreed = _gc_agrees(own_ceph, store, redis_url)
+    reliability.note(
+        requests=len(latencies),
+        max_latency_s=round(max(latencies), 2),
+        uploads_failed_or_dropped=failed,
+        uploads_ok=up1["ok"] - up0["ok"],
+        prompts_restored_whole_after=sum(1 for r in remote if r == FULL),
+        prompts_recomputed_in_part_after=sum(1 for r in remote if r < FULL),
+        entries=summary["entries"],
+        **agreed,
+    )
+
+
+def _fill(cluster: CephRGW, cap: int, share: float = 0.97) -> int:
+    """Fill ``share`` of the OSD's ``cap`` bytes with 1 MiB objects in another bucket: past
+    Ceph's full ratio (0.95), below the one the test sets later (0.99), since memstore's
+    usage is exact. Returns how many objects landed once Ceph flags the OSD full."""
+    s3 = boto3.client("s3", endpoint_url=cluster.endpoint, region_name="us-east-1")
+    s3.create_bucket(Bucket="filler")
+    blob = b"\xa5" * (1 << 20)
+    n = int(cap * share) >> 20
+    for i in range(n):
+        s3.put_object(Bucket="filler", Key=f"fill-{i}", Body=blob)
+    # the OSD reports its usage to the monitor every few seconds
+    assert wait_for(cluster.osd_full, 60, interval=0.5), "Ceph did not flag the OSD full"
+    return n
+
+
+SMALL_OSD = 128 << 20
+
+
+@pytest.fixture
+def small_ceph(tmp_path: Path) -> Iterator[CephRGW]:
+    cluster = start_ceph_rgw(tmp_path / "ceph-small", osd_bytes=SMALL_OSD)
+    yield cluster
+    cluster.stop()
+
+
+def test_full_osd(
+    small_ceph: CephRGW,
+    redis_url: str,
+    spawn: Callable[..., Worker],
+    reference: Reference,
+    reliability: Observation,
+) -> None:
+    reliability.scenario = "Ceph OSD full (memstore cap) under a pushing worker, then given room"
+    reliability.must = (
+        "answers equal the reference within 15 s; pushes fail (counted) and register "
+        "nothing; what was stored before still restores; once the operator gives the OSD "
+        "room, pushes land again; verify --deep clean, gc deletes exactly the orphans"
+    )
+    store = _store(small_ceph, "full")
+    before = [text(PROMPT_CHARS, 1400 + i) for i in range(2)]
+    during = [text(PROMPT_CHARS, 1500 + i) for i in range(4)]
+    after = text(PROMPT_CHARS, 1600)
+    for p in [*before, *during, after]:
+        reference.tokens(p)
+    a = spawn("a", store, redis_url, write_policy="write-through")
+    latencies: list[float] = []
+    for p in before:
+        _serve(a, p, reference, latencies)
+    assert a.drain()
+    filled = _fill(small_ceph, SMALL_OSD)
+    up0 = _uploads(a)
+    for p in during:
+        _serve(a, p, reference, latencies)
+    assert a.drain(timeout=90)
+    up1 = _uploads(a)
+    failed = up1["failed"] - up0["failed"] + up1["dropped"] - up0["dropped"]
+    assert failed >= 1, "a push landed on a full OSD"
+    assert up1["ok"] == up0["ok"]
+    summary = assert_verified(store, redis_url, reliability)
+    # reads still work on a full cluster: a fresh worker restores what was stored before
+    b = spawn("b", store, redis_url)
+    assert _serve(b, before[0], reference, latencies)["tokens_remote"] == FULL
+    assert _serve(b, during[0], reference, latencies)["tokens_remote"] == 0
+
+    small_ceph.set_full_ratio(0.99)  # the operator's first remedy
+    assert wait_for(lambda: not small_ceph.osd_full(), 60, interval=0.5)
+    _serve(a, after, reference, latencies)
+    assert a.drain(timeout=60)
+    assert _uploads(a)["ok"] > up1["ok"], "pushes did not land once the OSD had room"
+    assert _serve(b, after, reference, latencies)["tokens_remote"] == FULL
+    agreed = _gc_agrees(small_ceph, store, redis_url)
+    reliability.note(
+        requests=len(latencies),
+        max_latency_s=round(max(latencies), 2),
+        filler_objects_1mib=filled,
+        uploads_failed_or_dropped_while_full=failed,
+        entries_while_full=summary["entries"],
+        **agreed,
+    )
