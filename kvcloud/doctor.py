@@ -101,8 +101,31 @@ def check_store(url: str, cfg: KVCloudConfig) -> Iterator[Check]:
             if any(c.status == FAIL for c in bucket_checks):
                 return  # a probe against a missing bucket would only repeat the failure
         yield from _probe(store)
+        if type(store).__name__ == "S3Store":
+            yield from _check_conditional_writes(store)
     finally:
         store.close()
+
+
+def _check_conditional_writes(store: Any) -> Iterator[Check]:
+    """Whether the server honours If-None-Match on PUT (the probe runs on the first write,
+    which ``_probe`` just did). Both answers are correct; the other one costs a HEAD."""
+    try:
+        found = store.conditional_writes()
+    except Exception as exc:
+        yield Check("store", "conditional writes", WARN, _describe(exc))
+        return
+    if found == "honoured":
+        detail = "the server answers 412 to If-None-Match: * (one PUT per new object)"
+    elif found == "off":
+        detail = "conditional_put=off: a HEAD before each PUT"
+    else:
+        detail = (
+            f"the server {'ignores' if found == 'ignored' else 'refuses'} If-None-Match: * "
+            "on PUT; kvcloud asks with a HEAD before each PUT instead (same guarantees, "
+            "one extra round trip per object written)"
+        )
+    yield Check("store", "conditional writes", OK, detail)
 
 
 def _check_s3_bucket(store: Any) -> Iterator[Check]:

@@ -8,6 +8,7 @@ import pytest
 
 from tests.ceph import CephRGW, start_ceph_rgw
 from tests.rclone import RcloneS3, start_rclone_s3
+from tests.s3_servers import S3_SERVERS, S3Server
 from tests.servers import MotoServer, RedisServer, s3_env, start_moto, start_redis
 from tests.swift import SwiftS3, start_swift_s3
 
@@ -54,6 +55,19 @@ def rclone_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RcloneS3]:
     server = start_rclone_s3(tmp_path_factory.mktemp("rclone"))
     yield server
     server.stop()
+
+
+@pytest.fixture
+def s3_server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """One of the session's S3 servers (``endpoint``, ``store_url(bucket, prefix)``,
+    ``env()``), with its credentials in this process's environment for the test: boto3,
+    kvcloud and the worker processes a test starts all pick them up."""
+    server = request.getfixturevalue(S3_SERVERS[getattr(request, "param", "ceph")])
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in server.env().items():
+        monkeypatch.setenv(name, value)
+    return server
 
 
 @pytest.fixture

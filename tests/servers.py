@@ -200,6 +200,9 @@ class MotoServer(ServerProcess):
     def store_url(self, bucket: str = "kvcloud", prefix: str = "segments") -> str:
         return f"s3://{bucket}/{prefix}?endpoint_url={self.endpoint}&region=us-east-1"
 
+    def env(self) -> dict[str, str]:
+        return s3_env(self.endpoint)
+
 
 def start_moto(
     workdir: Path, *, host: str = "127.0.0.1", netns: str | None = None, port: int | None = None

@@ -1,8 +1,12 @@
 """Fault-injection harness: worker processes, a reference worker, metrics, verification.
 
-Every scenario runs real processes (``kvcloud-worker serve``, ``redis-server``,
-``moto_server``) and does to them what production does: SIGKILL, SIGSTOP, restarts, cut
-links, objects changed behind the workers' backs. Workers here are plain subprocesses like
+Every scenario runs real processes (``kvcloud-worker serve``, ``redis-server``, an S3
+server) and does to them what production does: SIGKILL, SIGSTOP, restarts, cut links,
+objects changed behind the workers' backs. The S3 server is Ceph RGW (the ``s3_server``
+fixture), and where an invariant depends on conditional writes also Swift s3api and
+rclone; ``moto_server`` stays where the scenario is about the process itself (paused and
+restarted empty in test_store_outage.py, moved into a network namespace in
+test_multihost.py). Workers here are plain subprocesses like
 tests/e2e's, plus what fault tests need: a bind address and network namespace, a timed
 request, and /metrics parsed into numbers.
 """

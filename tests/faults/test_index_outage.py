@@ -29,7 +29,8 @@ from tests.faults.conftest import (
     text,
 )
 from tests.faults.report import Observation
-from tests.servers import MotoServer, RedisServer, start_redis
+from tests.s3_servers import S3Server
+from tests.servers import RedisServer, start_redis
 
 pytestmark = pytest.mark.integration
 
@@ -132,7 +133,7 @@ def _check_all(served: list[Served], reference: Reference) -> dict[str, Any]:
 def test_redis_paused_killed_and_restarted_mid_load(
     persistence: bool,
     own_redis: Callable[[bool], RedisServer],
-    moto_server: MotoServer,
+    s3_server: S3Server,
     spawn: Callable[..., Worker],
     reference: Reference,
     reliability: Observation,
@@ -151,7 +152,7 @@ def test_redis_paused_killed_and_restarted_mid_load(
     server = own_redis(persistence)
     w = spawn(
         "w",
-        s3_url(moto_server.endpoint),
+        s3_url(s3_server.endpoint),
         server.url,
         cache_pages=CACHE_PAGES,
         write_policy="write-through",

@@ -30,7 +30,7 @@ from tests.faults.conftest import (
     wait_for,
 )
 from tests.faults.report import Observation
-from tests.servers import MotoServer
+from tests.s3_servers import S3Server
 
 pytestmark = pytest.mark.integration
 
@@ -69,7 +69,7 @@ def _chain(store_url: str, entries: dict[str, IndexEntry]) -> list[tuple[str, In
 
 
 def test_tampered_objects_are_detected_dropped_and_recomputed(
-    moto_server: MotoServer,
+    s3_server: S3Server,
     redis_url: str,
     spawn: Callable[..., Worker],
     reference: Reference,
@@ -85,7 +85,7 @@ def test_tampered_objects_are_detected_dropped_and_recomputed(
         "chunks before it restored, and the answer identical to a worker with no store"
     )
     prefix = f"faults-tamper-{time.monotonic_ns()}"
-    store = s3_url(moto_server.endpoint, prefix)
+    store = s3_url(s3_server.endpoint, prefix)
     a = spawn("a", store, redis_url, write_policy="write-through")
     b = spawn("b", store, redis_url, write_policy="off")
     ns = a.health()["namespace"]
@@ -110,7 +110,11 @@ def test_tampered_objects_are_detected_dropped_and_recomputed(
     assert all(len(c) == N_CHUNKS for c in chains)
 
     # the damage, done to the S3 server directly
-    s3 = boto3.client("s3", endpoint_url=moto_server.endpoint, region_name="us-east-1")
+    # a new session reads the server's credentials from the environment (boto3's default
+    # session keeps the first ones it found)
+    s3 = boto3.session.Session().client(
+        "s3", endpoint_url=s3_server.endpoint, region_name="us-east-1"
+    )
 
     def s3_key(entry: IndexEntry) -> str:
         return f"{prefix}/{entry.object_key}"

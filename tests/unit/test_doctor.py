@@ -16,6 +16,7 @@ import redis
 from kvcloud import KVCloud
 from kvcloud.cli import main
 from tests.helpers import make_kv, make_ns, make_tokens
+from tests.s3_servers import S3Server
 from tests.servers import MotoServer, free_port
 
 
@@ -82,6 +83,7 @@ def test_moto_and_redis_ok(
     assert checks[("store", "bucket")]["status"] == "ok"
     assert checks[("store", "probe")]["status"] == "ok"
     assert checks[("store", "clock skew")]["status"] == "ok"
+    assert "answers 412" in checks[("store", "conditional writes")]["detail"]
     assert checks[("index", "redis version")]["detail"][0].isdigit()
     assert checks[("index", "clock skew")]["status"] == "ok"
     assert checks[("index", "maxmemory-policy")]["status"] == "ok"
@@ -218,3 +220,22 @@ def test_stats_prometheus_parses(tmp_path: Path, capsys: pytest.CaptureFixture[s
     )
     assert samples[("kvcloud_index_sessions", ())] == 0
     assert samples[("kvcloud_index_counter", (("name", "lookups"),))] == 1
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("s3_server", "word"), [("swift", "refuses"), ("rclone", "ignores")], indirect=["s3_server"]
+)
+def test_servers_without_conditional_writes_are_named(
+    s3_server: S3Server, word: str, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvcloud.stores import s3_writes
+
+    s3_writes.forget()  # doctor must find it out, not remember it from another test
+    rc, report = _doctor(
+        capsys, "--store", s3_server.store_url("doctor-ok", "p"), "--index", redis_url
+    )
+    checks = _by_name(report)
+    assert rc == 0, report
+    detail = checks[("store", "conditional writes")]["detail"]
+    assert f"{word} If-None-Match" in detail and "HEAD before each PUT" in detail
