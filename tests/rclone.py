@@ -23,11 +23,10 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.servers import ServerProcess, free_port, s3_env
+from tests.servers import ServerProcess, free_port, s3_env, wait_s3_ready
 
 ACCESS_KEY = s3_env("")["AWS_ACCESS_KEY_ID"]
 SECRET_KEY = s3_env("")["AWS_SECRET_ACCESS_KEY"]
@@ -101,37 +100,19 @@ class RcloneS3(ServerProcess):
         return self
 
     def wait_ready(self, timeout: float = 20.0) -> None:
-        """Until an authenticated S3 ListBuckets succeeds (the port opens a little before
-        the S3 handler and its auth are in place)."""
-        import boto3
-        from botocore.config import Config
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        client = boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            aws_access_key_id=ACCESS_KEY,
-            aws_secret_access_key=SECRET_KEY,
-            region_name="us-east-1",
-            config=Config(
-                s3={"addressing_style": "path"},
-                retries={"max_attempts": 1},
-                connect_timeout=2,
-                read_timeout=5,
-            ),
-        )
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                client.list_buckets()
-                return
-            except (BotoCoreError, ClientError) as exc:  # refused, 5xx, auth not loaded yet
-                last: Exception = exc
+        def exited() -> str | None:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"rclone exited with {self.proc.returncode}: {self.tail()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rclone serve s3 not ready ({last!r}): {self.tail()}")
-            time.sleep(0.05)
+                return f"rclone exited with {self.proc.returncode}: {self.tail()}"
+            return None
+
+        wait_s3_ready(
+            self.endpoint,
+            ACCESS_KEY,
+            SECRET_KEY,
+            exited=exited,
+            what="rclone serve s3",
+            timeout=timeout,
+        )
 
 
 def start_rclone_s3(

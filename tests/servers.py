@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -223,6 +224,50 @@ def s3_env(endpoint: str) -> dict[str, str]:
         "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_DEFAULT_REGION": "us-east-1",
     }
+
+
+def wait_s3_ready(
+    endpoint: str,
+    access_key: str,
+    secret_key: str,
+    *,
+    exited: Callable[[], str | None],
+    what: str,
+    timeout: float,
+) -> None:
+    """Until an authenticated S3 ListBuckets at ``endpoint`` succeeds (a port opens a little
+    before the S3 handler and its authentication are in place). ``exited()`` names a server
+    process that died (and then this raises at once) or returns None."""
+    import boto3
+    from botocore.config import Config
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    client = boto3.session.Session().client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=access_key,
+        aws_secret_access_key=secret_key,
+        region_name="us-east-1",
+        config=Config(
+            s3={"addressing_style": "path"},
+            retries={"max_attempts": 1},
+            connect_timeout=2,
+            read_timeout=5,
+        ),
+    )
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.list_buckets()
+            return
+        except (BotoCoreError, ClientError) as exc:  # refused, 5xx, auth not loaded yet
+            last: Exception = exc
+        dead = exited()
+        if dead is not None:
+            raise RuntimeError(f"{what}: {dead}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not ready ({last!r})")
+        time.sleep(0.05)
 
 
 # -- Redis Cluster ----------------------------------------------------------------------------

@@ -24,11 +24,10 @@ import os
 import pwd
 import shutil
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.servers import ServerProcess, free_port, s3_env
+from tests.servers import ServerProcess, free_port, s3_env, wait_s3_ready
 
 _SUITE_KEY = s3_env("")["AWS_ACCESS_KEY_ID"]
 ACCOUNT = USER = _SUITE_KEY
@@ -155,38 +154,23 @@ class SwiftS3:
                 self.servers[name].stop()
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        """Until an authenticated S3 ListBuckets succeeds: the proxy is up, tempauth and s3api
-        are loaded and the account server answers (the account is made on first use)."""
-        import boto3
-        from botocore.config import Config
-        from botocore.exceptions import BotoCoreError, ClientError
+        """Until S3 works: the proxy is up, tempauth and s3api are loaded and the account
+        server answers (the account is made on first use)."""
 
-        client = boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            aws_access_key_id=ACCESS_KEY,
-            aws_secret_access_key=SECRET_KEY,
-            region_name="us-east-1",
-            config=Config(
-                s3={"addressing_style": "path"},
-                retries={"max_attempts": 1},
-                connect_timeout=2,
-                read_timeout=5,
-            ),
-        )
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                client.list_buckets()
-                return
-            except (BotoCoreError, ClientError) as exc:  # refused, 5xx, auth not loaded yet
-                last: Exception = exc
+        def exited() -> str | None:
             for name, server in self.servers.items():
                 if server.proc is not None and server.proc.poll() is not None:
-                    raise RuntimeError(f"swift {name} server exited: {self.tail()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"swift S3 not ready ({last!r}): {self.tail()}")
-            time.sleep(0.1)
+                    return f"the swift {name} server exited: {self.tail()}"
+            return None
+
+        wait_s3_ready(
+            self.endpoint,
+            ACCESS_KEY,
+            SECRET_KEY,
+            exited=exited,
+            what="swift s3api",
+            timeout=timeout,
+        )
 
 
 def _build_rings(d: Path, ports: dict[str, int], part_power: int) -> None:

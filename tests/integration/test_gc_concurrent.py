@@ -24,7 +24,7 @@ from kvcloud.indexes.base import Index, IndexEntry
 from kvcloud.maintenance import GcReport, gc, verify
 from kvcloud.stores import open_store
 from tests.helpers import make_kv, make_ns, make_tokens, same_bits
-from tests.s3_servers import WITHOUT_CONDITIONAL_WRITES, S3Server
+from tests.s3_servers import WITHOUT_CONDITIONAL_WRITES, S3Server, server_name
 
 DURATION_S = 15.0
 GRACE_S = 2.0
@@ -283,7 +283,7 @@ def test_gc_while_workers_push_and_pull(s3_server: S3Server, redis_url: str) -> 
     print(observed)
     _record(
         "`kvcloud gc` (grace 2 s) in a loop while workers push and pull overlapping prefixes "
-        "and entries expire (redis + moto)",
+        f"and entries expire (redis + {server_name(s3_server)})",
         "no referenced object deleted; every pull bit-exact or a shorter verified prefix; "
         "`verify` clean after every pass and at the end",
         observed,
