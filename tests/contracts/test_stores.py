@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from kvcloud.stores import FileStore, ObjectStore, S3Config, S3Store
-from tests.ceph import CephRGW
 from tests.contracts.store_contract import StoreContract
 from tests.servers import MotoServer
 
@@ -78,29 +77,10 @@ class TestS3StoreMotoServer(StoreContract):
             yield s
 
 
-@pytest.mark.integration
-class TestS3StoreCephRGW(StoreContract):
-    """Ceph's S3 gateway (RGW 16.2 on a one-OSD memstore cluster, tests/ceph.py): a
-    production S3 server; a fresh prefix per test keeps tests apart."""
+class _OnServer(StoreContract):
+    """A store on one of the session's S3 server processes (``server_fixture``), with that
+    server's credentials; a fresh prefix per test keeps tests apart."""
 
-    @pytest.fixture
-    def store(self, ceph_rgw: CephRGW, monkeypatch: pytest.MonkeyPatch) -> Iterator[ObjectStore]:
-        for var in _ENDPOINT_VARS:
-            monkeypatch.delenv(var, raising=False)
-        for name, value in ceph_rgw.env().items():
-            monkeypatch.setenv(name, value)
-        with S3Store.from_url(
-            ceph_rgw.store_url("kvcloud-contract", f"t-{uuid.uuid4().hex[:12]}")
-        ) as s:
-            yield s
-
-
-class _WithoutConditionalWrites(StoreContract):
-    """S3 servers that do not honour ``If-None-Match: *``: the store finds out on its first
-    write and asks with a HEAD before each PUT, so an existing object is still reported and
-    never rewritten. Two racing PUTs of one absent key can both write (the same bytes)."""
-
-    atomic_create = False
     server_fixture: str
 
     @pytest.fixture
@@ -116,6 +96,22 @@ class _WithoutConditionalWrites(StoreContract):
             server.store_url("kvcloud-contract", f"t-{uuid.uuid4().hex[:12]}")
         ) as s:
             yield s
+
+
+@pytest.mark.integration
+class TestS3StoreCephRGW(_OnServer):
+    """Ceph's S3 gateway (RGW 16.2 on a one-OSD memstore cluster, tests/ceph.py): a
+    production S3 server."""
+
+    server_fixture = "ceph_rgw"
+
+
+class _WithoutConditionalWrites(_OnServer):
+    """S3 servers that do not honour ``If-None-Match: *``: the store finds out on its first
+    write and asks with a HEAD before each PUT, so an existing object is still reported and
+    never rewritten. Two racing PUTs of one absent key can both write (the same bytes)."""
+
+    atomic_create = False
 
 
 @pytest.mark.integration
