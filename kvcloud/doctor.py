@@ -20,7 +20,7 @@ from typing import Any
 from .config import KVCloudConfig
 from .errors import KVCloudError, StoreUnavailableError
 from .indexes import open_index
-from .stores import open_store
+from .stores import open_store, s3_writes
 from .stores.base import ObjectStore
 from .urls import redact_url
 
@@ -100,8 +100,9 @@ def check_store(url: str, cfg: KVCloudConfig) -> Iterator[Check]:
             yield from bucket_checks
             if any(c.status == FAIL for c in bucket_checks):
                 return  # a probe against a missing bucket would only repeat the failure
-        yield from _probe(store)
-        if type(store).__name__ == "S3Store":
+        probe_checks = list(_probe(store))
+        yield from probe_checks
+        if type(store).__name__ == "S3Store" and all(c.status != FAIL for c in probe_checks):
             yield from _check_conditional_writes(store)
     finally:
         store.close()
@@ -115,13 +116,14 @@ def _check_conditional_writes(store: Any) -> Iterator[Check]:
     except Exception as exc:
         yield Check("store", "conditional writes", WARN, _describe(exc))
         return
-    if found == "honoured":
+    if found == s3_writes.HONOURED:
         detail = "the server answers 412 to If-None-Match: * (one PUT per new object)"
-    elif found == "off":
+    elif found == s3_writes.OFF:
         detail = "conditional_put=off: a HEAD before each PUT"
     else:
         detail = (
-            f"the server {'ignores' if found == 'ignored' else 'refuses'} If-None-Match: * "
+            f"the server {'ignores' if found == s3_writes.IGNORED else 'refuses'} "
+            "If-None-Match: * "
             "on PUT; kvcloud asks with a HEAD before each PUT instead (same guarantees, "
             "one extra round trip per object written)"
         )

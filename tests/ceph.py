@@ -218,8 +218,14 @@ def start_ceph_rgw(workdir: Path, osd_bytes: int = 1 << 30) -> CephRGW:
     conf.write_text(_conf(d, fsid, mon_port, rgw_port, osd_bytes))
     (d / "keyring").write_text("")
 
-    def run(*argv: str) -> None:
-        subprocess.run(argv, check=True, capture_output=True, timeout=60)
+    def run(*argv: str, attempts: int = 1) -> None:
+        for attempt in range(attempts):
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+            if proc.returncode == 0:
+                return
+            if attempt == attempts - 1:
+                raise subprocess.CalledProcessError(proc.returncode, argv, proc.stdout, proc.stderr)
+            time.sleep(0.5)  # a monitor client refused before it had the map (see _ceph)
 
     # msgr v1 only (ms_bind_msgr2 off): the map must say so, or daemons dial a v2 address
     run("monmaptool", "--create", "--fsid", fsid, "--addv", "a", f"[v1:127.0.0.1:{mon_port}]",
@@ -240,7 +246,7 @@ def start_ceph_rgw(workdir: Path, osd_bytes: int = 1 << 30) -> CephRGW:
         cluster.start_rgw()
         run("radosgw-admin", "-c", str(conf), "user", "create", "--uid", "kvcloud",
             "--display-name", "kvcloud tests", "--access-key", ACCESS_KEY,
-            "--secret-key", SECRET_KEY)  # fmt: skip
+            "--secret-key", SECRET_KEY, attempts=5)  # fmt: skip
     except BaseException:
         print(cluster.tail())  # the daemons' logs go with the failure
         cluster.stop()

@@ -416,10 +416,9 @@ class S3Store(ObjectStore):
     # -- ObjectStore ----------------------------------------------------------------------------
 
     def put(self, key: str, data: Buffer | BufferParts) -> bool:
-        s3_key = self._s3_key(key)
         data = join_parts(data)
         if self.conditional_writes() == s3_writes.HONOURED:
-            written = self._put(s3_key, data, key, conditional=True)
+            written = self._put(key, data, conditional=True)
             if written is not None:
                 return written
             # 501 after all (a proxy or an upgrade in between): HEAD-first from now on
@@ -427,14 +426,15 @@ class S3Store(ObjectStore):
         if self.head(key) is not None:
             return False
         # Two writers that both saw "absent" write the same bytes (content addressing).
-        self._put(s3_key, data, key, conditional=False)
+        self._put(key, data, conditional=False)
         return True
 
-    def _put(self, s3_key: str, data: Buffer, key: str, *, conditional: bool) -> bool | None:
+    def _put(self, key: str, data: Buffer, *, conditional: bool) -> bool | None:
         """One PUT: True when written, False on 412/409 (it exists), None when the server
         refused the conditional header."""
         from botocore.exceptions import BotoCoreError, ClientError
 
+        s3_key = self._s3_key(key)
         # a file-like view: no copy of the object before it goes on the wire
         body = data if isinstance(data, bytes) else _BufferBody(data)
         kwargs: dict[str, Any] = {"Bucket": self.config.bucket, "Key": s3_key, "Body": body}
@@ -476,9 +476,7 @@ class S3Store(ObjectStore):
                     found = s3_writes.remembered(self.config.endpoint_url, self.config.bucket)
                     if found is None:
                         found = s3_writes.probe(
-                            lambda k: self._put(k, b"probe", k, conditional=True),
-                            lambda k: self._client.delete_object(Bucket=self.config.bucket, Key=k),
-                            self._key_prefix,
+                            lambda k: self._put(k, b"probe", conditional=True), self.delete
                         )
                     self._learn(found)
         assert self._writes is not None

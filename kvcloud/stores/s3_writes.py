@@ -63,15 +63,14 @@ def refused(code: str, status: int) -> bool:
     return status == 501 or code == "NotImplemented"
 
 
-def probe(
-    put_conditional: Callable[[str], bool | None], delete: Callable[[str], None], prefix: str
-) -> str:
+def probe(put_conditional: Callable[[str], bool | None], delete: Callable[[str], None]) -> str:
     """What the server does with ``If-None-Match: *``: HONOURED, IGNORED or REFUSED.
 
-    ``put_conditional(s3_key)`` answers True (written), False (412: it exists) or None (the
-    header was refused); its store errors propagate, and nothing is remembered then.
+    ``put_conditional(key)`` (a store key, under the store's prefix) answers True
+    (written), False (412: it exists) or None (the header was refused); its store errors
+    propagate, and nothing is remembered then.
     """
-    key = f"{prefix}{PROBE_DIR}/conditional-put-{secrets.token_hex(8)}"
+    key = f"{PROBE_DIR}/conditional-put-{secrets.token_hex(8)}"
     try:
         first = put_conditional(key)
         if first is None:

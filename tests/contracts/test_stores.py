@@ -144,9 +144,8 @@ def test_the_store_finds_what_the_server_does_with_conditional_writes(
     from kvcloud.stores import s3_writes
 
     server = request.getfixturevalue(server_fixture)
-    if hasattr(server, "env"):
-        for name, value in server.env().items():
-            monkeypatch.setenv(name, value)
+    for name, value in server.env().items():
+        monkeypatch.setenv(name, value)
     s3_writes.forget()
     prefix = f"probe-{uuid.uuid4().hex[:12]}"
     url = server.store_url("kvcloud-contract", prefix)

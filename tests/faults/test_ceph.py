@@ -24,7 +24,7 @@ import pytest
 
 from kvcloud.indexes import open_index
 from kvcloud.maintenance import gc, verify
-from kvcloud.stores import open_store
+from kvcloud.stores import S3Config, open_store
 from tests.ceph import CephRGW, start_ceph_rgw
 from tests.faults.conftest import (
     CHUNK,
@@ -59,8 +59,10 @@ def _store(cluster: CephRGW, name: str) -> str:
 
 def _listed(cluster: CephRGW, store_url: str) -> set[str]:
     """Object keys under the store's prefix, by a plain boto3 ListObjectsV2 (no kvcloud)."""
-    prefix = store_url.split("?")[0].removeprefix("s3://kvcloud/") + "/"
-    s3 = boto3.client("s3", endpoint_url=cluster.endpoint, region_name="us-east-1")
+    prefix = S3Config.from_url(store_url).prefix + "/"
+    s3 = boto3.session.Session().client(
+        "s3", endpoint_url=cluster.endpoint, region_name="us-east-1"
+    )
     keys: set[str] = set()
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket="kvcloud", Prefix=prefix):
         keys |= {o["Key"].removeprefix(prefix) for o in page.get("Contents", [])}
