@@ -37,6 +37,7 @@ def request(rid: str, tokens: list[int], **extra: object) -> SimpleNamespace:
     fields: dict[str, object] = dict(
         request_id=rid,
         prompt_token_ids=tokens,
+        all_token_ids=list(tokens),  # vLLM's Request: the prompt, then each accepted token
         cache_salt=None,
         lora_request=None,
         mm_features=None,
@@ -62,7 +63,7 @@ def output(new: list = (), cached: tuple = (), resumed: set[str] = frozenset()) 
         scheduled_cached_reqs=SimpleNamespace(
             req_ids=req_ids,
             resumed_req_ids=set(resumed),
-            new_block_ids=[(c[1],) for c in cached],
+            new_block_ids=[None if c[1] is None else (c[1],) for c in cached],
             num_computed_tokens=[c[2] for c in cached],
         ),
         num_scheduled_tokens={c[0]: c[3] for c in cached},
@@ -84,13 +85,15 @@ def side(kvc: KVCloud, **cfg: object) -> SchedulerSide:
     return SchedulerSide(config, make_ns("float32"), kvc, BS)
 
 
-def ask(s: SchedulerSide, req: SimpleNamespace, local: int = 0, wait: float = 5.0) -> int:
+def ask(
+    s: SchedulerSide, req: SimpleNamespace, local: int = 0, wait: float = 5.0, sync: bool = False
+) -> int:
     """Ask as vLLM does, step after step, until the connector answers."""
     deadline = time.monotonic() + wait
     while True:
         n, is_async = s.get_num_new_matched_tokens(req, local)
         if n is not None:
-            assert is_async == (n > 0)
+            assert is_async == (n > 0 and not sync)
             return n
         assert time.monotonic() < deadline
         time.sleep(0.001)
@@ -272,3 +275,70 @@ def test_chunks_out_of_a_sliding_window_are_never_saved(tmp_path: Path) -> None:
     assert [ch.position for spec in meta.saves for ch in spec.chunks] == [1, 2]
     assert [ch.block_ids for spec in meta.saves for ch in spec.chunks] == [[5, 6], [7, 8]]
     kvc.close()
+
+
+def saved(meta: object) -> list[tuple[int, bytes, list[int]]]:
+    return [(ch.position, ch.fp, ch.block_ids) for spec in meta.saves for ch in spec.chunks]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("save_decode", [True, False])
+def test_chunks_an_answer_fills_are_saved_as_they_fill(tmp_path: Path, save_decode: bool) -> None:
+    """Turn n's answer is turn n+1's prompt: the chunk the decode completes is pushed in
+    the step that computes its last token, keyed like a prompt holding those tokens."""
+    kvc = KVCloud.open(store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db", secret="s")
+    s = side(kvc, save_decode=save_decode)
+    tokens = [int(t) for t in make_tokens(2 * C + 5)]
+    req = request("r1", tokens)
+    assert ask(s, req) == 0
+    blocks = [10, 11, 12, 13, 14]
+    new = SimpleNamespace(req_id="r1", block_ids=(blocks,), num_computed_tokens=0)
+    out = output(new=[new])
+    out.num_scheduled_tokens = {"r1": len(tokens)}
+    assert [pos for pos, _, _ in saved(s.build_connector_meta(out))] == [0, 1]
+    answer = [int(t) for t in make_tokens(C, seed=7)]
+    for i in range(C - 5):  # decode steps that do not finish chunk 2 save nothing
+        req.all_token_ids.append(answer[i])
+        step = output(cached=[("r1", None, len(req.all_token_ids) - 1, 1)])
+        assert saved(s.build_connector_meta(step)) == []
+    # the step computing the chunk's last token (position 3C-1) saves it; vLLM gave the
+    # request block 15 for the answer on the way
+    req.all_token_ids.append(answer[C - 5])
+    step = output(cached=[("r1", [15], len(req.all_token_ids) - 1, 1)])
+    got = saved(s.build_connector_meta(step))
+    if not save_decode:
+        assert got == []
+        kvc.close()
+        return
+    all_tokens = tokens + answer[: C - 4]
+    want_fp = kvc.fingerprints(make_ns("float32"), all_tokens[: 3 * C])[2]
+    assert got == [(2, want_fp, [14, 15])]
+    kvc.close()
+
+
+def test_draft_tokens_never_end_a_saved_chunk(tmp_path: Path) -> None:
+    """Speculative decoding computes KV for draft tokens vLLM may reject: a chunk is saved
+    only once vLLM has accepted every token in it."""
+    kvc = KVCloud.open(store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db", secret="s")
+    s = side(kvc)
+    tokens = [int(t) for t in make_tokens(C - 2)]
+    req = request("r1", tokens)
+    assert ask(s, req) == 0
+    new = SimpleNamespace(req_id="r1", block_ids=([3, 4],), num_computed_tokens=0)
+    out = output(new=[new])
+    out.num_scheduled_tokens = {"r1": len(tokens)}
+    assert saved(s.build_connector_meta(out)) == []
+    req.all_token_ids.append(99)  # one accepted token, then a step with 3 drafts
+    step = output(cached=[("r1", None, C - 2, 4)])  # KV for positions C-2 .. C+1
+    assert saved(s.build_connector_meta(step)) == []
+    req.all_token_ids.extend([98, 97])  # two drafts accepted: now chunk 0 is known
+    step = output(cached=[("r1", [5], C + 1, 1)])
+    assert [pos for pos, _, _ in saved(s.build_connector_meta(step))] == [0]
+    kvc.close()
+
+
+def test_sync_load_mode_offers_loads_as_synchronous(stored: tuple[KVCloud, list[int]]) -> None:
+    kvc, tokens = stored
+    s = side(kvc, load_mode="sync")
+    req = request("r1", tokens)
+    s.on_new_request(req)
+    assert ask(s, req, sync=True) == 4 * C

@@ -243,3 +243,99 @@ def test_staging_is_reused_and_stays_correct(tmp_path: Path) -> None:
     # a restore that does not fit the cap gets memory of its own, correctly filled
     small, *_ = setup(tmp_path / "small", staging_mib=0)
     assert step(small, spec) == set() and small._kept is None
+
+
+def test_a_sync_restore_is_written_before_the_forward_pass(tmp_path: Path) -> None:
+    """``load_mode=sync``: start_load_kv returns with the blocks written (the forward pass
+    that follows reads them) and the restore is never reported as an asynchronous one."""
+    ws, _, kv, spec = setup(tmp_path, load_mode="sync")
+    ws.start_load_kv(SimpleNamespace(loads=[spec], saves=[]))  # type: ignore[arg-type]
+    assert_blocks_hold(ws, kv, spec, range(N_CHUNKS))
+    assert ws.get_finished(set()) == (None, None)
+    assert ws.get_block_ids_with_load_errors() == set()
+    assert ws.take_stats()["loaded_tokens"] == (2 * N_CHUNKS - 1) * BS
+
+
+def test_a_sync_restore_reports_a_bad_chunk_after_the_same_step(tmp_path: Path) -> None:
+    ws, kvc, kv, spec = setup(tmp_path, load_mode="sync")
+    kvc.store.delete(spec.chunks[2].object_key)
+    ws.start_load_kv(SimpleNamespace(loads=[spec], saves=[]))  # type: ignore[arg-type]
+    assert ws.get_finished(set()) == (None, None)
+    assert ws.get_block_ids_with_load_errors() == {
+        b for ch in spec.chunks[2:] for b in ch.block_ids
+    }
+    assert_blocks_hold(ws, kv, spec, range(2))
+
+
+def test_a_hung_sync_restore_stalls_the_step_no_longer_than_load_timeout(tmp_path: Path) -> None:
+    ws, kvc, _, spec = setup(tmp_path, load_mode="sync", load_timeout=0.3)
+    gate = threading.Event()
+    real_open = kvc.store.open_read
+
+    def hung_open(key: str):  # type: ignore[no-untyped-def]
+        gate.wait(10)
+        return real_open(key)
+
+    kvc.store.open_read = hung_open  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    ws.start_load_kv(SimpleNamespace(loads=[spec], saves=[]))  # type: ignore[arg-type]
+    assert 0.25 < time.monotonic() - t0 < 2.0
+    assert ws.get_block_ids_with_load_errors() == {
+        b for ch in spec.chunks for b in ch.block_ids if b >= 0
+    }
+    gate.set()
+    ws._pool.shutdown(wait=True)
+    for cache in ws.caches.values():
+        assert not cache.any(), "an abandoned restore wrote into vLLM's blocks"
+
+
+def test_saves_copy_each_layer_into_pooled_buffers_and_push_what_vllm_computed(
+    tmp_path: Path,
+) -> None:
+    """A step's saves: each layer's blocks copied right after the layer ran, the chunk
+    pushed whole, read back bit for bit (a plain pull), and its buffer reused next step."""
+    from kvcloud.integrations.vllm.specs import SaveChunk, SaveSpec
+
+    ns = make_ns("float32")
+    c = ns.chunk_tokens
+    kvc = KVCloud.open(store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db", secret="s")
+    config = VLLMConnectorConfig(write_policy="write-through")
+    vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS))
+    ws = WorkerSide(config, ns, kvc, vllm_config, SimpleNamespace(num_blocks=N_BLOCKS))
+    write = layer_for(cpu_write)
+    tokens = [int(t) for t in make_tokens(2 * c)]
+    kv = make_kv(ns, len(tokens))
+    fps = kvc.fingerprints(ns, tokens)
+    ids = [[5, 2], [9, 10]]  # out of order, then a run
+    names = []
+    for layer in range(ns.num_layers):
+        name = f"model.layers.{layer}.self_attn.attn"
+        cache = torch.zeros(N_BLOCKS, ns.num_kv_heads, BS, 2 * ns.head_dim)
+        layout = learn_layout(write, cache, N_BLOCKS, BS, ns.num_kv_heads, ns.head_dim)
+        for i, chunk_ids in enumerate(ids):
+            layout.scatter(cache, chunk_ids, torch.from_numpy(kv[layer, :, i * c : (i + 1) * c]))
+        ws.caches[name], ws.layer_index[name], ws.layouts[name] = cache, layer, layout
+        names.append(name)
+
+    def run_step(chunks: list[SaveChunk]) -> None:
+        meta = SimpleNamespace(loads=[], saves=[SaveSpec("r1", "default", chunks)])
+        for name in names:
+            ws.save_kv_layer(meta, name, ws.caches[name])  # type: ignore[arg-type]
+        ws.wait_for_save()
+
+    run_step([SaveChunk(0, fps[0], ns.digest, ids[0])])
+    deadline = time.monotonic() + 10
+    while len(ws._buffers._free) < 1:  # given back once pushed
+        assert time.monotonic() < deadline, "the buffer never came back from the uploader"
+        time.sleep(0.005)
+    reused = ws._buffers._free[0]
+    run_step([SaveChunk(1, fps[1], fps[0], ids[1])])
+    while len(ws._buffers._free) < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert ws._buffers._free[0] is reused  # the same memory served the second save
+    m = kvc.lookup(ns, tokens)
+    assert m.tokens == 2 * c
+    assert same_bits(kvc.pull(m), kv)
+    assert ws.take_stats()["chunks_pushed"] == 2
+    ws.shutdown()

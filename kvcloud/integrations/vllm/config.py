@@ -21,6 +21,7 @@ from ...errors import ConfigError
 from ...namespace import DEFAULT_CHUNK_TOKENS
 
 WRITE_POLICIES = ("write-through", "off")
+LOAD_MODES = ("async", "sync")
 
 
 @dataclass
@@ -45,14 +46,27 @@ class VLLMConnectorConfig:
     """Tokens per stored segment; a multiple of vLLM's ``--block-size`` (checked at start)."""
 
     write_policy: str = field(default="write-through", metadata={"env": "KVCLOUD_WRITE_POLICY"})
-    """``write-through``: push every new full prompt chunk after its prefill; ``off``: only
+    """``write-through``: push every new full chunk of a request as soon as its KV is
+    computed (prompt chunks during the prefill, answer chunks while decoding); ``off``: only
     read. (vLLM does not tell a connector when it evicts a block, so write-back on eviction,
     the kvcloud worker's default, is not available here.)"""
 
+    save_decode: bool = field(default=True, metadata={"env": "KVCLOUD_SAVE_DECODE"})
+    """Also push the full chunks a request fills while decoding: in a chat, turn n's answer
+    is part of turn n+1's prompt, so a conversation moving to another server restores its
+    answers too instead of recomputing them. ``false``: prompt chunks only."""
+
+    load_mode: str = field(default="async", metadata={"env": "KVCLOUD_LOAD_MODE"})
+    """``async``: a request being restored waits in vLLM's WAITING_FOR_REMOTE_KVS state while
+    its chunks are pulled and verified off the forward pass; the requests already decoding
+    never wait for it. ``sync``: the restore runs inside the step that schedules the request,
+    before its forward pass, which saves the request one scheduler step but makes every
+    request in that batch wait for the pull (docs/VLLM.md has the measurements)."""
+
     load_timeout: float = field(default=2.0, metadata={"env": "KVCLOUD_LOAD_TIMEOUT"})
     """Seconds a request waits for its restore before giving up on it; the blocks not loaded
-    by then are recomputed. Loads are asynchronous: only the request being restored waits,
-    never the requests already decoding."""
+    by then are recomputed. With ``load_mode=async`` only the request being restored waits,
+    never the requests already decoding; with ``sync`` this bounds the stall of a step."""
 
     lookup_wait_ms: float = field(default=2.0, metadata={"env": "KVCLOUD_LOOKUP_WAIT_MS"})
     """Milliseconds the scheduler waits for a request's index lookup in one step (a healthy
@@ -170,6 +184,10 @@ class VLLMConnectorConfig:
             raise ConfigError(
                 f"write_policy {self.write_policy!r}: use one of {', '.join(WRITE_POLICIES)}"
             )
+        if self.load_mode not in LOAD_MODES:
+            raise ConfigError(f"load_mode {self.load_mode!r}: use one of {', '.join(LOAD_MODES)}")
+        if not isinstance(self.save_decode, bool):
+            raise ConfigError(f"save_decode must be true or false, got {self.save_decode!r}")
         if not isinstance(self.min_hit_tokens, int) or self.min_hit_tokens < 0:
             raise ConfigError(f"min_hit_tokens must be >= 0, got {self.min_hit_tokens!r}")
 

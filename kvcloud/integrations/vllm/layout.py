@@ -71,13 +71,31 @@ class BlockLayout:
         nb = len(block_ids)
         n, h, d = self.block_size, self.num_kv_heads, self.head_dim
         if self._strided(cache):
-            out = torch.empty(2, nb, n, h, d, dtype=cache.dtype, device=cache.device)
-            runs = _runs(block_ids)
-            for half in (0, 1):
-                view = self._half_view(cache, half)
-                for start, lo, hi in runs:
-                    out[half, start : start + hi - lo].copy_(view[lo:hi])
-            return out.view(2, nb * n, h, d)
+            out = torch.empty(2, nb * n, h, d, dtype=cache.dtype, device=cache.device)
+            self.gather_into(cache, block_ids, out)
+            return out
+        return self._gather_indexed(cache, block_ids)
+
+    def gather_into(self, cache: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor) -> None:
+        """Like ``gather``, into ``out`` (``[2, n·block_size, heads, head_dim]``): with an
+        affine layout one strided copy per run of consecutive blocks and no temporary."""
+        nb = len(block_ids)
+        n, h, d = self.block_size, self.num_kv_heads, self.head_dim
+        if tuple(out.shape) != (2, nb * n, h, d):
+            raise LayoutError(f"expected room of shape {[2, nb * n, h, d]}, got {list(out.shape)}")
+        if not self._strided(cache):
+            out.copy_(self._gather_indexed(cache, block_ids))
+            return
+        dst = out.view(2, nb, n, h, d)
+        runs = _runs(block_ids)
+        for half in (0, 1):
+            view = self._half_view(cache, half)
+            for start, lo, hi in runs:
+                dst[half, start : start + hi - lo].copy_(view[lo:hi])
+
+    def _gather_indexed(self, cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+        nb = len(block_ids)
+        n, h, d = self.block_size, self.num_kv_heads, self.head_dim
         ids = torch.as_tensor(block_ids, dtype=torch.long, device=cache.device)
         flat = cache.index_select(self.block_dim, ids).movedim(self.block_dim, 0).reshape(nb, -1)
         canon = flat if self.natural else flat[:, self.positions]

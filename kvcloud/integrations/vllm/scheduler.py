@@ -10,11 +10,15 @@ Tensor-free, and it never waits on the network for more than ``lookup_wait_ms`` 
   miss for that request alone.
 - **A circuit breaker on the index.** Consecutive failed or timed-out lookups open it; while
   it is open no request touches the index (a miss at once), until one probe succeeds.
-- **Loads are asynchronous** (``load_kv_async``): the request waits in vLLM's
+- **Loads are asynchronous** by default (``load_kv_async``): the request waits in vLLM's
   WAITING_FOR_REMOTE_KVS state while its chunks are pulled, verified and written into its
-  blocks off the forward pass; the requests already running keep decoding. A store the
-  workers report as failing (their own breaker) gets no loads offered, and objects whose pull
-  failed or timed out are not offered again for ``failure_memory`` seconds.
+  blocks off the forward pass; the requests already running keep decoding. With
+  ``load_mode=sync`` the load runs in the step that schedules the request instead. A store
+  the workers report as failing (their own breaker) gets no loads offered, and objects whose
+  pull failed or timed out are not offered again for ``failure_memory`` seconds.
+- **Saves follow the request's KV as it is computed**: each step names the chunks whose last
+  token's KV that step computes, prompt chunks during the prefill and (``save_decode``) the
+  chunks the answer fills while decoding, which in a chat are the next turn's prompt.
 
 The hit offered to vLLM is the run of stored chunks beyond vLLM's own prefix-cache hit, cut
 at the last vLLM block before the prompt's final token (vLLM must compute at least one token
@@ -64,12 +68,13 @@ class _Pending:
 
 @dataclass
 class _Saving:
-    """A request whose prompt chunks are pushed as its prefill completes them."""
+    """A request whose chunks are pushed as its steps complete them."""
 
     tenant: str
-    fps: list[bytes]
+    fps: list[bytes]  # fingerprints of its full chunks known so far
     next_chunk: int
     block_ids: list[int] = field(default_factory=list)
+    request: Any = None  # vLLM's Request: its tokens grow while it decodes (save_decode)
 
 
 class SchedulerSide:
@@ -90,6 +95,7 @@ class SchedulerSide:
         self._pending: dict[str, _Pending] = {}
         self._loads: dict[str, _Plan] = {}  # offered and allocated, not yet in metadata
         self._saving: dict[str, _Saving] = {}
+        self._requests: dict[str, Any] = {}  # vLLM's Request of each request seen, for saves
         self.stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()  # lookup threads count too
         self.index_breaker = cfg.breaker("index", clock, self._breaker_changed)
@@ -117,6 +123,7 @@ class SchedulerSide:
     def on_new_request(self, request: Any) -> None:
         t0 = time.perf_counter_ns()
         try:
+            self._requests[request.request_id] = request
             if request.prompt_token_ids and request.request_id not in self._pending:
                 self._start(request)
         finally:
@@ -231,6 +238,7 @@ class SchedulerSide:
             self._scheduler_ns += time.perf_counter_ns() - t0
 
     def _matched(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._requests[request.request_id] = request
         if not request.prompt_token_ids:
             return 0, False
         plan = self._resolve(request)
@@ -249,7 +257,7 @@ class SchedulerSide:
         if external <= 0 or external < self.cfg.min_hit_tokens:
             return 0, False
         plan.local, plan.external = num_computed_tokens, external
-        return external, True
+        return external, self.cfg.load_mode == "async"
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         plan = self._plans.get(request.request_id)
@@ -311,7 +319,13 @@ class SchedulerSide:
             if self.cfg.write_policy == "off" or new.req_id in self._saving:
                 continue
             stored = len(plan.match.chunks) if plan.match is not None else 0
-            saving = _Saving(plan.tenant, plan.fps, stored, list(new.block_ids[0]))
+            saving = _Saving(
+                plan.tenant,
+                list(plan.fps),
+                stored,
+                list(new.block_ids[0]),
+                self._requests.get(new.req_id) if self.cfg.save_decode else None,
+            )
             computed = new.num_computed_tokens + scheduled.get(new.req_id, 0)
             self._collect(new.req_id, saving, computed, meta)
         cached = scheduler_output.scheduled_cached_reqs
@@ -333,9 +347,20 @@ class SchedulerSide:
         return meta
 
     def _collect(self, req_id: str, saving: _Saving, computed: int, meta: StepSpec) -> None:
-        """Save the prompt chunks this step completes."""
+        """Save the chunks this step completes: prompt chunks, and answer chunks too when the
+        request's tokens are followed (``save_decode``)."""
         c, bs = self.ns.chunk_tokens, self.block_size
         per_chunk = c // bs
+        if saving.request is not None:
+            # only tokens vLLM has accepted: a step also computes KV for speculative draft
+            # tokens it may reject, and with async scheduling the newest token is not known
+            # yet; a chunk they end is saved at a later step, its blocks still the request's
+            tokens = saving.request.all_token_ids
+            computed = min(computed, len(tokens))
+            if computed // c > len(saving.fps):
+                saving.fps = self.client.fingerprints(
+                    self.ns, list(tokens[: computed // c * c]), saving.tenant
+                )
         ready = min(computed // c, len(saving.fps))
         chunks = []
         done = saving.next_chunk
@@ -351,8 +376,8 @@ class SchedulerSide:
         saving.next_chunk = done
         if chunks:
             meta.saves.append(SaveSpec(req_id, saving.tenant, chunks))
-        if saving.next_chunk >= len(saving.fps):
-            self._saving.pop(req_id, None)
+        if saving.request is None and saving.next_chunk >= len(saving.fps):
+            self._saving.pop(req_id, None)  # every prompt chunk handed over
         else:
             self._saving[req_id] = saving
 
@@ -378,6 +403,7 @@ class SchedulerSide:
         self._pending.pop(rid, None)
         self._loads.pop(rid, None)
         self._saving.pop(rid, None)
+        self._requests.pop(rid, None)
 
     def take_stats(self) -> dict[str, int]:
         with self._stats_lock:

@@ -23,6 +23,9 @@ log = logging.getLogger("vllm.kvcloud")
 
 _BATCH = 16
 
+# tenant, fingerprint, parent, KV, and what to call once the KV is no longer needed
+_Item = tuple[str, bytes, bytes, np.ndarray, Callable[[], None] | None]
+
 
 class Uploader:
     """Bounded background pushes; a full queue drops, a failed push is counted."""
@@ -31,15 +34,22 @@ class Uploader:
         self.client = client
         self.ns = ns
         self.count = count
-        self._queue: queue.Queue[tuple[str, bytes, bytes, np.ndarray] | None] = queue.Queue(
-            capacity
-        )
+        self._queue: queue.Queue[_Item | None] = queue.Queue(capacity)
         self._thread = threading.Thread(target=self._run, name="kvcloud-uploader", daemon=True)
         self._thread.start()
 
-    def offer(self, tenant: str, fp: bytes, parent: bytes, kv: np.ndarray) -> bool:
+    def offer(
+        self,
+        tenant: str,
+        fp: bytes,
+        parent: bytes,
+        kv: np.ndarray,
+        done: Callable[[], None] | None = None,
+    ) -> bool:
+        """Queue one chunk; False (and counted) when the queue is full. ``done`` is called
+        once the chunk's KV has been pushed or given up on (never when refused here)."""
         try:
-            self._queue.put_nowait((tenant, fp, parent, kv))
+            self._queue.put_nowait((tenant, fp, parent, kv, done))
         except queue.Full:
             self.count(upload_dropped=1)
             return False
@@ -63,9 +73,17 @@ class Uploader:
                 batch.append(nxt)
             self._push(batch)
 
-    def _push(self, batch: list[tuple[str, bytes, bytes, np.ndarray]]) -> None:
+    def _push(self, batch: list[_Item]) -> None:
+        try:
+            self._push_batch(batch)
+        finally:
+            for *_, done in batch:
+                if done is not None:
+                    done()
+
+    def _push_batch(self, batch: list[_Item]) -> None:
         by_tenant: dict[str, list[tuple[bytes, bytes, np.ndarray]]] = {}
-        for tenant, fp, parent, kv in batch:
+        for tenant, fp, parent, kv, _ in batch:
             by_tenant.setdefault(tenant, []).append((fp, parent, kv))
         for tenant, chunks in by_tenant.items():
             try:

@@ -1,27 +1,34 @@
 """Worker side: move KV between kvcloud objects and vLLM's paged blocks.
 
-Loads are asynchronous (the scheduler offers them with ``load_kv_async``), so nothing here
-ever makes a forward pass wait on the network. ``start_load_kv`` hands each restore to a load
-thread, which pulls every matched object in parallel, each streamed straight into its own
+Loads are asynchronous by default (the scheduler offers them with ``load_kv_async``), so
+nothing here makes a forward pass wait on the network. ``start_load_kv`` hands each restore to
+a load thread, which pulls every matched object in parallel, each streamed straight into its own
 slice of a staging array in kvcloud's layout and hashed as it lands, and then writes the
 verified chunks into the request's blocks — blocks no forward pass reads until vLLM is told the
 load is over. After each step ``get_finished`` reports the restores that are over: done, or
 past ``load_timeout`` (then abandoned: the thread may finish pulling into staging, but it can
 no longer touch vLLM's blocks). A chunk that is missing, corrupt, late or unreachable — and
 every chunk after it — is reported through ``get_block_ids_with_load_errors`` in that same
-pass, before the request is ever scheduled, so vLLM recomputes exactly those tokens. No byte
-of a chunk reaches vLLM's cache before the chunk is verified (DESIGN §4.3). Nothing here
-raises into vLLM.
+pass, before the request is ever scheduled, so vLLM recomputes exactly those tokens. With
+``load_mode=sync`` ``start_load_kv`` itself waits for the step's restores (at most
+``load_timeout``) before the forward pass reads them, and their failed blocks are reported
+after that same step (vLLM then discards the step's output for the request and recomputes).
+No byte of a chunk reaches vLLM's cache before the chunk is verified (DESIGN §4.3). Nothing
+here raises into vLLM.
 
 A circuit breaker on the store, and a memory of objects whose pull failed or timed out,
 keep a sick store from costing every request a timeout; both are reported to the scheduler
 side (``build_connector_worker_meta``) so it stops offering such loads at all.
 
-Saves: ``save_kv_layer`` copies each layer's slice of the chunks the step completed into a
-staging array right after the layer ran; ``wait_for_save`` hands whole chunks to a bounded
-background uploader with a kvcloud client of its own (its own connections and threads, so an
-upload never delays a load). When its queue is full a chunk is dropped and counted, never
-waited for; it pushes object first, entry second.
+Saves: ``save_kv_layer`` copies each layer's slice of the chunks the step completed straight
+into a chunk-sized host buffer right after the layer ran (one strided copy per run of blocks,
+no temporaries; the buffers are pooled, so a save costs no page faults); ``wait_for_save``
+hands whole chunks to a bounded background uploader with a kvcloud client of its own (its own
+connections and threads, so an upload never delays a load), which gives each buffer back once
+pushed. When its queue is full a chunk is dropped and counted, never waited for; it pushes
+object first, entry second. The copy must happen in the step: vLLM may free and reuse a
+running request's blocks at the next schedule (a preemption), so no thread may read them
+later.
 """
 
 from __future__ import annotations
@@ -78,6 +85,28 @@ class _Save:
     layers_done: set[int] = field(default_factory=set)
 
 
+class _BufferPool:
+    """Chunk-sized host buffers for saves, given back by the uploader once pushed: fresh
+    memory costs page faults on first touch (several ms per chunk), reused memory does not.
+    At most ``keep`` idle buffers are kept; the uploader's queue bounds those in use."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, keep: int) -> None:
+        self.shape, self.dtype, self.keep = shape, dtype, keep
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> torch.Tensor:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return torch.empty(self.shape, dtype=self.dtype)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            if len(self._free) < self.keep:
+                self._free.append(buf)
+
+
 class WorkerSide:
     def __init__(
         self,
@@ -112,6 +141,9 @@ class WorkerSide:
         self._kept: torch.Tensor | None = None  # staging reused across restores
         self._kept_users: list[_Load] = []
         self._saves: list[_Save] = []
+        self._buffers = _BufferPool(
+            tuple(ns.kv_shape(ns.chunk_tokens)), _TORCH_DTYPES[ns.dtype], cfg.upload_queue
+        )
         self._failed_blocks: set[int] = set()
         self.store_breaker = cfg.breaker("store", clock, self._breaker_changed)
         self._bad_objects: dict[str, float] = {}  # object key -> until (clock)
@@ -200,6 +232,21 @@ class WorkerSide:
                 self.count(loads_refused=1)
                 continue  # no future: reported failed at the next get_finished
             load.future = self._pool.submit(self._restore, load)
+        if self.cfg.load_mode == "sync":
+            self._settle_sync([spec.req_id for spec in specs])
+
+    def _settle_sync(self, req_ids: list[str]) -> None:
+        """``load_mode=sync``: wait for this step's restores (each until its deadline) before
+        the forward pass reads their blocks; what failed is reported after this step."""
+        loads = [self._loads.pop(rid) for rid in req_ids]
+        futures = [load.future for load in loads if load.future is not None]
+        if futures:
+            latest = max(load.deadline for load in loads)
+            cf.wait(futures, timeout=max(0.0, latest - self._clock()))
+        for load in loads:
+            now = self._clock()
+            ok = self._outcome(load, max(now, load.deadline))
+            self._settle(load, ok or 0)
 
     def _is_bad(self, key: str) -> bool:
         with self._meta_lock:
@@ -333,15 +380,19 @@ class WorkerSide:
             ok = self._outcome(load, now)
             if ok is None:
                 continue
-            chunks = load.spec.chunks
-            real = [[b for b in ch.block_ids if b >= 0 and b != NULL_BLOCK] for ch in chunks]
-            failed = [b for ids in real[ok:] for b in ids]
-            loaded = sum(len(ids) for ids in real[:ok])
-            self._failed_blocks.update(failed)
-            self.count(load_failed_blocks=len(failed), loaded_tokens=loaded * self.block_size)
+            self._settle(load, ok)
             done.add(req_id)
             del self._loads[req_id]
         return None, (done or None)
+
+    def _settle(self, load: _Load, ok: int) -> None:
+        """Count a finished restore and note the blocks of its chunks past ``ok`` as failed."""
+        chunks = load.spec.chunks
+        real = [[b for b in ch.block_ids if b >= 0 and b != NULL_BLOCK] for ch in chunks]
+        failed = [b for ids in real[ok:] for b in ids]
+        loaded = sum(len(ids) for ids in real[:ok])
+        self._failed_blocks.update(failed)
+        self.count(load_failed_blocks=len(failed), loaded_tokens=loaded * self.block_size)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -369,20 +420,18 @@ class WorkerSide:
         if self.uploader is None or not meta.saves or layer_name not in self.layer_index:
             return
         if not self._saves:
-            dtype = _TORCH_DTYPES[self.ns.dtype]
-            shape = self.ns.kv_shape(self.ns.chunk_tokens)
             self._saves = [
-                _Save(spec, [torch.empty(shape, dtype=dtype) for _ in spec.chunks])
+                _Save(spec, [self._buffers.take() for _ in spec.chunks])
                 for spec in meta.saves
+                # a chunk partly out of a sliding window is not whole: not saved
+                if not any(b == NULL_BLOCK for ch in spec.chunks for b in ch.block_ids)
             ]
         layer = self.layer_index[layer_name]
         layout = self.layouts[layer_name]
         for save in self._saves:
-            if any(b == NULL_BLOCK for ch in save.spec.chunks for b in ch.block_ids):
-                continue  # a chunk partly out of a sliding window: not whole, not saved
             try:
                 for ch, staging in zip(save.spec.chunks, save.staging, strict=True):
-                    staging[layer].copy_(layout.gather(kv_layer, ch.block_ids))
+                    layout.gather_into(kv_layer, ch.block_ids, staging[layer])
                 save.layers_done.add(layer)
             except (LayoutError, RuntimeError, IndexError) as exc:
                 log.warning("kvcloud: could not read %s for saving: %s", layer_name, exc)
@@ -392,10 +441,19 @@ class WorkerSide:
         if self.uploader is None:
             return
         for save in saves:
-            if len(save.layers_done) != self.ns.num_layers:
-                continue
+            whole = len(save.layers_done) == self.ns.num_layers
             for ch, staging in zip(save.spec.chunks, save.staging, strict=True):
-                self.uploader.offer(save.spec.tenant, ch.fp, ch.parent, to_numpy(staging))
+                if not (
+                    whole
+                    and self.uploader.offer(
+                        save.spec.tenant,
+                        ch.fp,
+                        ch.parent,
+                        to_numpy(staging),
+                        done=lambda buf=staging: self._buffers.give(buf),
+                    )
+                ):
+                    self._buffers.give(staging)
 
     # -- stats and shutdown -----------------------------------------------------------------
 
