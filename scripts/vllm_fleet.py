@@ -76,6 +76,22 @@ def example_transfer_config(path: Path) -> dict[str, Any]:
     }
 
 
+def offloading_transfer_config(fs_dir: Path, cpu_gib: float = 1.0) -> dict[str, Any]:
+    """vLLM's OffloadingConnector with its TieringOffloadingSpec: a ``cpu_gib`` host tier
+    plus vLLM's ``fs`` tier under ``fs_dir``, through the CPU-backend worker shim in
+    scripts/vllm_offload_cpu.py (vLLM builds no offloading worker on CPU)."""
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "CPUTieringOffloadingSpec",
+            "spec_module_path": "scripts.vllm_offload_cpu",
+            "cpu_bytes_to_use": int(cpu_gib * 2**30),
+            "secondary_tiers": [{"type": "fs", "root_dir": str(fs_dir)}],
+        },
+    }
+
+
 @dataclass
 class VLLMServer:
     name: str
@@ -86,6 +102,7 @@ class VLLMServer:
     args: list[str] = field(default_factory=list)
     port: int = 0
     proc: subprocess.Popen | None = None
+    python: Path = VLLM_PYTHON  # another virtualenv's vLLM (the load benchmark's LMCache)
 
     @property
     def url(self) -> str:
@@ -93,7 +110,7 @@ class VLLMServer:
 
     def argv(self) -> list[str]:
         argv = [
-            str(VLLM_PYTHON),
+            str(self.python),
             "-m",
             "vllm.entrypoints.openai.api_server",
             "--model",

