@@ -68,6 +68,23 @@ SETUPS = (
     "offload-fs",
     "example",
 )
+# variants for the docs' own questions (not in the default run): the base setup, routing,
+# and the kvcloud settings that differ
+VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "kvcloud-file-sync": ("kvcloud-file", "round-robin", {"load_mode": "sync"}),
+    "kvcloud-file-prompts": ("kvcloud-file", "round-robin", {"save_decode": False}),
+    "kvcloud-sticky": ("kvcloud-file", "sticky", {}),
+    "kvcloud-sticky-off": ("kvcloud-file", "sticky", {"write_policy": "off"}),
+}
+
+
+def resolve(setup: str) -> tuple[str, str, dict[str, Any]]:
+    """A setup's base, routing and extra kvcloud settings."""
+    if setup in VARIANTS:
+        return VARIANTS[setup]
+    return setup, "sticky" if setup == "sticky" else "round-robin", {}
+
+
 LMCACHE_PYTHON = Path(
     os.environ.get("KVCLOUD_LMCACHE_PYTHON", ROOT / ".venv-lmcache" / "bin" / "python")
 )
@@ -306,23 +323,25 @@ class Bench:
         info: dict[str, Any] = {}
         env: dict[str, str] = {"KVCLOUD_LOG_LEVEL": "WARNING"}
         transfer = None
+        name = setup
+        setup, _, settings = resolve(setup)
         if setup.startswith("kvcloud"):
-            extra = {"chunk_tokens": self.args.chunk_tokens}
+            extra = {"chunk_tokens": self.args.chunk_tokens, **settings}
             if setup == "kvcloud-file":
-                store = self.work / "kvcloud" / "objects"
+                store = self.work / name / "objects"
                 env.update(
                     KVCLOUD_STORE=f"file://{store}",
-                    KVCLOUD_INDEX=f"sqlite://{self.work / 'kvcloud' / 'index.db'}",
+                    KVCLOUD_INDEX=f"sqlite://{self.work / name / 'index.db'}",
                 )
                 info["dir"] = store
             else:
                 ceph, redis = self.s3_servers()
                 env.update(ceph.env())
                 env.update(
-                    KVCLOUD_STORE=ceph.store_url(prefix="load") + "&create_bucket=true",
+                    KVCLOUD_STORE=ceph.store_url(prefix=name) + "&create_bucket=true",
                     KVCLOUD_INDEX=redis.url,
                 )
-                info["s3"] = ceph
+                info["s3"], info["s3_prefix"] = ceph, name
             env["KVCLOUD_SECRET"] = "bench-load-secret"
             transfer = kvcloud_transfer_config(**extra)
         elif setup == "example":
@@ -353,8 +372,8 @@ class Bench:
             }
         servers = [
             VLLMServer(
-                f"{setup}-{k}",
-                self.logs / f"{setup}-{k}.log",
+                f"{name}-{k}",
+                self.logs / f"{name}-{k}.log",
                 transfer=transfer,
                 # one core each, as two machines would have their own: two servers spinning
                 # OpenMP threads on the same two cores slow each other down several-fold
@@ -421,14 +440,16 @@ class Bench:
                 "s3", endpoint_url=info["s3"].endpoint, **_creds(info["s3"].env())
             )
             total = 0
-            for page in s3.get_paginator("list_objects_v2").paginate(Bucket="kvcloud"):
+            for page in s3.get_paginator("list_objects_v2").paginate(
+                Bucket="kvcloud", Prefix=info["s3_prefix"]
+            ):
                 total += sum(o["Size"] for o in page.get("Contents", []))
             return total
         return 0
 
     def run_setup(self, setup: str) -> None:
         servers, info = self.servers_for(setup)
-        routing = "sticky" if setup == "sticky" else "round-robin"
+        routing = resolve(setup)[1]
         log(f"{setup}: starting two vLLM servers")
         t0 = time.perf_counter()
         try:
@@ -627,14 +648,19 @@ def report(res: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "vllm_load.json"))
-    ap.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
+    ap.add_argument(
+        "--setups",
+        nargs="+",
+        default=[*SETUPS, "kvcloud-file-sync", "kvcloud-file-prompts"],
+        choices=[*SETUPS, *VARIANTS],
+    )
     ap.add_argument("--conversations", type=int, default=6)
-    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--max-chars", type=int, default=3000)
     ap.add_argument(
         "--min-chars",
         type=int,
-        default=4000,
+        default=5000,
         help="conversations whose cut user messages hold fewer characters are not sampled",
     )
     ap.add_argument("--max-tokens", type=int, default=64)
