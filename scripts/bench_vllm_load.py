@@ -35,6 +35,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -651,7 +652,7 @@ def main() -> None:
     ap.add_argument(
         "--setups",
         nargs="+",
-        default=[*SETUPS, "kvcloud-file-sync", "kvcloud-file-prompts"],
+        default=[*SETUPS, "kvcloud-file-sync", "kvcloud-file-prompts", "kvcloud-sticky"],
         choices=[*SETUPS, *VARIANTS],
     )
     ap.add_argument("--conversations", type=int, default=6)
@@ -684,6 +685,8 @@ def main() -> None:
     args = ap.parse_args()
     if "sticky" not in args.setups:
         log("without the sticky setup nothing is compared with a reference")
+    # a SIGTERM (a timeout, Ctrl-C from a wrapper) unwinds through the cleanup: servers stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     Bench(args).run()
 
 

@@ -215,7 +215,7 @@ def test_a_hung_index_never_holds_the_scheduler(tmp_path: Path) -> None:
             time.sleep(0.001)  # vLLM's idle step
         assert n == 0
         assert 0.5 <= time.monotonic() - t_start < 1.5  # the request waited, alone
-        # only the first ask waits its lookup_wait_ms (2 ms); the later ones just look. On a
+        # only the first ask waits its lookup_wait_ms (20 ms); the later ones just look. On a
         # busy 2-core machine a call may be descheduled for a while, but none waits anywhere
         # near the half second the lookup takes
         first, rest = calls[0], sorted(calls[1:])

@@ -1,5 +1,9 @@
 """Two (and a third, restarted) vLLM servers sharing KV through kvcloud's embedded default
-(file:// store + sqlite:// index), checked against a vLLM without any connector."""
+(file:// store + sqlite:// index), checked against a vLLM without any connector.
+
+A writes and loads asynchronously (the default); B loads with ``load_mode=sync`` (the
+restore runs inside the step that schedules the request), so every restore into B here is
+a synchronous one; C loads asynchronously with other blocks."""
 
 from __future__ import annotations
 
@@ -10,7 +14,13 @@ import pytest
 
 from kvcloud import KVCloud
 from kvcloud.integrations.vllm.keys import request_tenant
-from scripts.vllm_fleet import VLLMServer, cached_tokens, kvcloud_transfer_config
+from scripts.vllm_fleet import (
+    VLLMServer,
+    cached_tokens,
+    completion_ids,
+    connector_namespace,
+    kvcloud_transfer_config,
+)
 from tests.vllm.conftest import embedded_env, prompt_tokens, serving
 from tests.vllm.helpers import assert_same_answer, wait_stored
 
@@ -31,7 +41,9 @@ def servers(
 ) -> Iterator[dict[str, VLLMServer]]:
     cfg = kvcloud_transfer_config()
     a = VLLMServer("A", vllm_logs / "A.log", transfer=cfg, env=store)
-    b = VLLMServer("B", vllm_logs / "B.log", transfer=cfg, env=store)
+    b = VLLMServer(
+        "B", vllm_logs / "B.log", transfer=kvcloud_transfer_config(load_mode="sync"), env=store
+    )
     # the same checkpoint copied elsewhere, and vLLM blocks of 64 tokens instead of 128
     c = VLLMServer(
         "C",
@@ -215,3 +227,52 @@ def test_exact_multiple_of_the_chunk_recomputes_one_block(
     assert cached_tokens(got) == 2048 - 128
     assert b.metrics()["loaded_tokens"] - before.get("loaded_tokens", 0) == 2048 - 128
     assert_same_answer(got, reference.complete(prompt, max_tokens=12), "B, exact multiple")
+
+
+def test_an_answer_is_restored_on_another_server(
+    servers: dict[str, VLLMServer], reference: VLLMServer, store: dict[str, str]
+) -> None:
+    """Turn n's answer is part of turn n+1's prompt: the chunk A's decode filled is pushed,
+    so B restores the answer too instead of recomputing it."""
+    a, b = servers["A"], servers["B"]
+    prompt = prompt_tokens(250, seed=31)
+    first = a.complete(prompt, max_tokens=270, ignore_eos=True)
+    history = [*prompt, *completion_ids(first)]
+    assert len(history) == 520
+    # chunk 0 ends inside the prompt; chunk 1 (tokens 256..511) holds answer tokens only
+    assert wait_stored(store, history) == 2
+    turn = [*history, *prompt_tokens(60, seed=32)]
+    got = b.complete(turn, max_tokens=16)
+    assert cached_tokens(got) >= 2 * CHUNK
+    assert_same_answer(got, reference.complete(turn, max_tokens=16), "B, answer restored")
+
+
+def test_a_corrupt_object_under_sync_loads_is_recomputed(
+    servers: dict[str, VLLMServer], reference: VLLMServer, store: dict[str, str]
+) -> None:
+    """B loads synchronously: a chunk failing verification is reported after the step
+    that loaded it; vLLM drops that step's output and recomputes from the bad chunk."""
+    a, b = servers["A"], servers["B"]
+    prompt = prompt_tokens(1100, seed=33)  # 4 full chunks
+    a.complete(prompt, max_tokens=2)
+    assert wait_stored(store, prompt) == 4
+    ns = connector_namespace()
+    with KVCloud.open(
+        store=store["KVCLOUD_STORE"], index=store["KVCLOUD_INDEX"], secret=store["KVCLOUD_SECRET"]
+    ) as k:
+        fps = k.fingerprints(ns, prompt, "default")
+        entries = k.index.lookup(ns.id, [fp.hex() for fp in fps])
+        key = entries[1].object_key
+        body = bytearray(k.store.get(key))
+        body[len(body) // 2] ^= 0xFF
+        k.store.delete(key)
+        k.store.put(key, bytes(body))
+    before = b.metrics()
+    turn = [*prompt, *prompt_tokens(40, seed=34)]
+    got = b.complete(turn, max_tokens=16)
+    assert_same_answer(got, reference.complete(turn, max_tokens=16), "B, sync, corrupt chunk")
+    after = b.metrics()
+    delta = {name: after[name] - before.get(name, 0) for name in after}
+    assert delta["verify_failures"] == 1
+    assert delta["loaded_tokens"] == CHUNK
+    assert delta["load_failed_blocks"] == 3 * CHUNK // 128

@@ -68,10 +68,13 @@ class VLLMConnectorConfig:
     by then are recomputed. With ``load_mode=async`` only the request being restored waits,
     never the requests already decoding; with ``sync`` this bounds the stall of a step."""
 
-    lookup_wait_ms: float = field(default=2.0, metadata={"env": "KVCLOUD_LOOKUP_WAIT_MS"})
-    """Milliseconds the scheduler waits for a request's index lookup in one step (a healthy
-    lookup answers in well under one). A lookup still out after that is asked about again at
-    the next step while the engine goes on with every other request."""
+    lookup_wait_ms: float = field(default=20.0, metadata={"env": "KVCLOUD_LOOKUP_WAIT_MS"})
+    """Milliseconds the scheduler waits, the first time vLLM asks, for a request's index
+    lookup (a healthy lookup answers in a few; the wait ends as soon as it does). vLLM asks
+    right after the request arrives, so the lookup has only this long before the step is
+    scheduled; one still out is asked about again at the next step (later asks do not wait)
+    while the engine goes on with every other request, which costs the request a whole
+    engine step: under load 2 ms deferred nearly every request here (docs/VLLM.md)."""
 
     lookup_timeout: float = field(default=1.0, metadata={"env": "KVCLOUD_LOOKUP_TIMEOUT"})
     """Seconds a new request waits for its lookup in all; after that it runs as a miss and
