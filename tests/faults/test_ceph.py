@@ -54,6 +54,20 @@ def own_ceph(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CephRGW]:
     cluster.stop()
 
 
+@pytest.fixture(autouse=True)
+def _daemons_back(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that failed with a daemon stopped must not fail the next one too: whatever
+    it stopped of the module's cluster is started again after it."""
+    yield
+    if "own_ceph" not in request.fixturenames:
+        return
+    cluster: CephRGW = request.getfixturevalue("own_ceph")
+    if cluster.osd is None or cluster.osd.poll() is not None:
+        cluster.start_osd()
+    if cluster.rgw is None or cluster.rgw.poll() is not None:
+        cluster.start_rgw()
+
+
 def _store(cluster: CephRGW, name: str) -> str:
     return cluster.store_url("kvcloud", f"{name}-{time.monotonic_ns()}")
 
@@ -252,7 +266,15 @@ def test_gateway_restarted_during_a_push(
     t.start()
     time.sleep(0.5)
     own_ceph.stop_rgw()
-    time.sleep(2.0)  # long enough for every retry of the uploads in flight to fail
+    # down until an upload in flight has failed (its retries spent), at least 2 s: on a busy
+    # machine a fixed 2 s window sometimes ended before any push was attempted in it
+    down_until = time.monotonic() + 30
+    time.sleep(2.0)
+    while time.monotonic() < down_until and t.is_alive():
+        now = _uploads(a)
+        if now["failed"] - up0["failed"] + now["dropped"] - up0["dropped"] >= 1:
+            break
+        time.sleep(0.2)
     own_ceph.start_rgw()
     t.join(120)
     assert not t.is_alive()
