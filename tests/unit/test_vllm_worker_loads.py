@@ -65,6 +65,19 @@ def setup(
     return ws, kvc, kv, LoadSpec("req-1", "default", chunks)
 
 
+def hang_store(kvc: KVCloud) -> threading.Event:
+    """Every object read waits until the returned event is set (a hung store)."""
+    gate = threading.Event()
+    real_open = kvc.store.open_read
+
+    def hung_open(key: str):  # type: ignore[no-untyped-def]
+        gate.wait(10)
+        return real_open(key)
+
+    kvc.store.open_read = hung_open  # type: ignore[method-assign]
+    return gate
+
+
 def finish(ws: WorkerSide, req_id: str, timeout: float = 30.0) -> set[int]:
     """What vLLM does after each step until the restore is reported: ask what finished,
     then which blocks failed (in that order, as the model runner does)."""
@@ -147,14 +160,7 @@ def test_a_restore_past_its_deadline_is_abandoned_and_never_writes(tmp_path: Pat
     ws, kvc, _, spec = setup(tmp_path, load_timeout=1.0)
     clock = _Clock()
     ws._clock = clock
-    gate = threading.Event()
-    real_open = kvc.store.open_read
-
-    def hung_open(key: str):  # type: ignore[no-untyped-def]
-        gate.wait(10)
-        return real_open(key)
-
-    kvc.store.open_read = hung_open  # type: ignore[method-assign]
+    gate = hang_store(kvc)
     ws.start_load_kv(SimpleNamespace(loads=[spec], saves=[]))  # type: ignore[arg-type]
     assert ws.get_finished(set()) == (None, None)  # still pulling, deadline not reached
     clock.t += 1.5
@@ -269,14 +275,7 @@ def test_a_sync_restore_reports_a_bad_chunk_after_the_same_step(tmp_path: Path) 
 
 def test_a_hung_sync_restore_stalls_the_step_no_longer_than_load_timeout(tmp_path: Path) -> None:
     ws, kvc, _, spec = setup(tmp_path, load_mode="sync", load_timeout=0.3)
-    gate = threading.Event()
-    real_open = kvc.store.open_read
-
-    def hung_open(key: str):  # type: ignore[no-untyped-def]
-        gate.wait(10)
-        return real_open(key)
-
-    kvc.store.open_read = hung_open  # type: ignore[method-assign]
+    gate = hang_store(kvc)
     t0 = time.monotonic()
     ws.start_load_kv(SimpleNamespace(loads=[spec], saves=[]))  # type: ignore[arg-type]
     assert 0.25 < time.monotonic() - t0 < 2.0
