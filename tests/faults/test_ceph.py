@@ -137,6 +137,54 @@ def _serve(w: Worker, p: str, reference: Reference, latencies: list[float]) -> d
     return out["kvcloud"]
 
 
+class _Traffic:
+    """Requests served one after another in a thread until ``stop()``: an outage started
+    while it runs always has requests in flight. A fixed list was not enough: each request
+    takes about 60 ms here, so six of them were done before the OSD's graceful stop (about
+    1.2 s) had taken it down, and the test saw no outage at all."""
+
+    def __init__(self, w: Worker, prompts: list[str], reference: Reference, latencies: list[float]):
+        self.served: list[str] = []
+        self.stats: list[dict[str, Any]] = []
+        self.errors: list[BaseException] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(w, prompts, reference, latencies), daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, w: Worker, prompts: list[str], reference: Reference, lat: list[float]) -> None:
+        try:
+            for p in prompts:
+                if self._done.is_set():
+                    return
+                self.stats.append(_serve(w, p, reference, lat))
+                self.served.append(p)
+        except BaseException as exc:  # re-raised in the test thread
+            self.errors.append(exc)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float = 120) -> None:
+        self._done.set()
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "requests hung in the outage"
+        if self.errors:
+            raise self.errors[0]
+
+
+def _counted(w: Worker, m0: dict[str, float], up0: dict[str, float]) -> tuple[float, float]:
+    """Pull fallbacks and failed or dropped uploads since ``m0``/``up0``."""
+    m, up = w.metrics(), _uploads(w)
+    fallbacks = (
+        m["kvcloud_worker_remote_fallbacks_total"] - m0["kvcloud_worker_remote_fallbacks_total"]
+    )
+    failed = up["failed"] - up0["failed"] + up["dropped"] - up0["dropped"]
+    return fallbacks, failed
+
+
 def test_osd_stopped_during_pulls_and_pushes(
     own_ceph: CephRGW,
     redis_url: str,
@@ -151,14 +199,16 @@ def test_osd_stopped_during_pulls_and_pushes(
         "again; verify --deep is clean and gc deletes exactly the orphans verify counted"
     )
     store = _store(own_ceph, "osd")
-    stored = [text(PROMPT_CHARS, 1100 + i) for i in range(4)]
-    fresh = [text(PROMPT_CHARS, 1200 + i) for i in range(4)]
-    for p in stored + fresh:
+    # more than the outage needs: traffic stops once a fallback and a failed push were seen
+    stored = [text(PROMPT_CHARS, 1100 + i) for i in range(12)]
+    fresh = [text(PROMPT_CHARS, 1200 + i) for i in range(12)]
+    after = text(PROMPT_CHARS, 1299)
+    for p in [*stored, *fresh, after]:
         reference.tokens(p)
     a = spawn("a", store, redis_url, write_policy="write-through")
     for p in stored:
         _serve(a, p, reference, [])
-    assert a.drain()
+    assert a.drain(timeout=60)
     b = spawn("b", store, redis_url, cache_pages=8, write_policy="write-through")
     latencies: list[float] = []
     assert _serve(b, stored[0], reference, latencies)["tokens_remote"] == FULL
@@ -166,35 +216,21 @@ def test_osd_stopped_during_pulls_and_pushes(
     m0, up0 = b.metrics(), _uploads(b)
     # the OSD goes down while B's requests are in flight: pulls of stored prompts and
     # write-through pushes of fresh ones, interleaved
-    order = [stored[1], fresh[0], stored[2], fresh[1], stored[3], fresh[2]]
-    errors: list[BaseException] = []
-    outage: list[dict[str, Any]] = []
-
-    def traffic() -> None:
-        try:
-            for p in order:
-                outage.append(_serve(b, p, reference, latencies))
-        except BaseException as exc:  # re-raised in the test thread
-            errors.append(exc)
-
-    t = threading.Thread(target=traffic, daemon=True)
-    t.start()
+    order = [p for pair in zip(stored[1:], fresh, strict=False) for p in pair]
+    traffic = _Traffic(b, order, reference, latencies)
     time.sleep(0.3)
     own_ceph.stop_osd()
     stopped_at = time.monotonic()
-    t.join(120)
-    assert not t.is_alive(), "requests hung with the OSD down"
-    if errors:
-        raise errors[0]
+    assert own_ceph.osd is not None and own_ceph.osd.returncode is not None
+    wait_for(lambda: min(_counted(b, m0, up0)) >= 1 or not traffic.running, 90, interval=0.5)
+    traffic.stop()
     hung_s = time.monotonic() - stopped_at
     assert b.drain(timeout=90), "uploads never settled with the OSD down"
-    m1, up1 = b.metrics(), _uploads(b)
-    fallbacks = (
-        m1["kvcloud_worker_remote_fallbacks_total"] - m0["kvcloud_worker_remote_fallbacks_total"]
-    )
-    failed = up1["failed"] - up0["failed"] + up1["dropped"] - up0["dropped"]
+    fallbacks, failed = _counted(b, m0, up0)
+    up1 = _uploads(b)
     assert fallbacks >= 1, "no pull fell back while the OSD was down"
     assert failed >= 1, "no push failed while the OSD was down: the test did not test"
+    outage = traffic.stats
     outage_latencies = latencies[1:]
 
     own_ceph.start_osd()
@@ -209,7 +245,7 @@ def test_osd_stopped_during_pulls_and_pushes(
     for p in fresh[:2]:
         _serve(b, p, reference, latencies)
     assert wait_for(pulls_again, 60, interval=1.0), restored
-    _serve(b, fresh[3], reference, latencies)  # a push after the outage lands
+    _serve(b, after, reference, latencies)  # a push after the outage lands
     assert b.drain(timeout=60)
     up2 = _uploads(b)
     assert up2["ok"] > up1["ok"]
@@ -245,49 +281,31 @@ def test_gateway_restarted_during_a_push(
         "orphans verify counted"
     )
     store = _store(own_ceph, "rgw")
-    prompts = [text(PROMPT_CHARS, 1300 + i) for i in range(10)]
+    prompts = [text(PROMPT_CHARS, 1300 + i) for i in range(40)]
     for p in prompts:
         reference.tokens(p)
     a = spawn("a", store, redis_url, write_policy="write-through")
     latencies: list[float] = []
     _serve(a, prompts[0], reference, latencies)
     assert a.drain()
-    up0 = _uploads(a)
-    errors: list[BaseException] = []
-
-    def traffic() -> None:
-        try:
-            for p in prompts[1:]:
-                _serve(a, p, reference, latencies)
-        except BaseException as exc:
-            errors.append(exc)
-
-    t = threading.Thread(target=traffic, daemon=True)
-    t.start()
-    time.sleep(0.5)
+    m0, up0 = a.metrics(), _uploads(a)
+    traffic = _Traffic(a, prompts[1:], reference, latencies)
+    time.sleep(0.3)
     own_ceph.stop_rgw()
-    # down until an upload in flight has failed (its retries spent), at least 2 s: on a busy
-    # machine a fixed 2 s window sometimes ended before any push was attempted in it
-    down_until = time.monotonic() + 30
+    # down until an upload in flight has failed (its retries spent), at least 2 s
     time.sleep(2.0)
-    while time.monotonic() < down_until and t.is_alive():
-        now = _uploads(a)
-        if now["failed"] - up0["failed"] + now["dropped"] - up0["dropped"] >= 1:
-            break
-        time.sleep(0.2)
+    wait_for(lambda: _counted(a, m0, up0)[1] >= 1 or not traffic.running, 30, interval=0.2)
     own_ceph.start_rgw()
-    t.join(120)
-    assert not t.is_alive()
-    if errors:
-        raise errors[0]
+    traffic.stop()
     assert a.drain(timeout=60)
     up1 = _uploads(a)
-    failed = up1["failed"] - up0["failed"] + up1["dropped"] - up0["dropped"]
+    failed = _counted(a, m0, up0)[1]
     assert failed >= 1, "no upload failed while the gateway was down: the test did not test"
+    served = [prompts[0], *traffic.served]
 
     summary = assert_verified(store, redis_url, reliability)
     b = spawn("b", store, redis_url)
-    remote = [_serve(b, p, reference, latencies)["tokens_remote"] for p in prompts]
+    remote = [_serve(b, p, reference, latencies)["tokens_remote"] for p in served]
     # each prompt either restores whole or partly from what landed, or recomputes; the
     # answers above were all the reference's
     assert remote[0] == FULL
