@@ -587,6 +587,53 @@ def _sum_metrics(all_metrics: list[dict[str, float]]) -> dict[str, float]:
 # -- report --------------------------------------------------------------------------------
 
 
+def paired_extra_ms(ref: dict[str, Any], r: dict[str, Any]) -> float:
+    """Median over the same (conversation, turn) of TTFT here minus TTFT in ``ref``, later
+    turns only: what this setup adds to a turn (the turns' prompts are equal)."""
+    base = {(t["conv"], t["turn"]): t["ttft"] for t in ref["turns"] if not t["error"]}
+    diffs = [
+        t["ttft"] - base[(t["conv"], t["turn"])]
+        for t in r["turns"]
+        if not t["error"] and t["turn"] > 0 and (t["conv"], t["turn"]) in base
+    ]
+    return 1e3 * float(np.median(diffs)) if diffs else float("nan")
+
+
+def _move_costs(setups: dict[str, Any]) -> list[str]:
+    """Where a moved turn's time goes, from the connector's counters (kvcloud setups)."""
+    rows = []
+    ref = setups.get("sticky")
+    for name, r in setups.items():
+        k = r.get("kvcloud") or {}
+        loads = k.get("loads", 0)
+        if not name.startswith("kvcloud") or not loads:
+            continue
+        extra = paired_extra_ms(ref, r) if ref is not None else float("nan")
+        rows.append(
+            f"| {name} | {extra:.0f} | {loads:.0f} | "
+            f"{k.get('loaded_bytes', 0) / loads / 1e6:.1f} | "
+            f"{k.get('load_us', 0) / loads / 1e3:.1f} | "
+            f"{k.get('load_write_us', 0) / loads / 1e3:.1f} | "
+            f"{k.get('load_report_us', 0) / loads / 1e3:.1f} | "
+            f"{k.get('lookup_deferrals', 0):.0f} | "
+            f"{k.get('save_us', 0) / max(1, r['requests']) / 1e3:.1f} | "
+            f"{k.get('chunks_pushed', 0) / max(1, r['requests']):.1f} |"
+        )
+    if not rows:
+        return []
+    return [
+        "",
+        "Where a turn's time goes (connector counters, means per restore or per request; "
+        "extra = median over the same turns of TTFT minus sticky's):",
+        "",
+        "| setup | extra TTFT ms | restores | MB each | restore ms | of it writing blocks ms | "
+        "waited to be reported ms | lookup deferrals | save copy ms / request | "
+        "chunks pushed / request |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
+
+
 def report(res: dict[str, Any]) -> str:
     cfg = res["config"]
     lines = [
@@ -618,6 +665,7 @@ def report(res: dict[str, Any]) -> str:
             parts = [
                 f"TTFT p50 {r['ttft_p50_ms'] / ref['ttft_p50_ms']:.2f}× sticky",
                 f"p99 {r['ttft_p99_ms'] / ref['ttft_p99_ms']:.2f}×",
+                f"{paired_extra_ms(ref, r):+.0f} ms a turn (median, same turns)",
             ]
             if rr is not None and name != "round-robin":
                 parts.append(f"{rr['ttft_p50_ms'] / r['ttft_p50_ms']:.2f}× better than round-robin")
@@ -626,6 +674,7 @@ def report(res: dict[str, Any]) -> str:
                     f"output tok/s {r['output_tokens_per_s'] / rr['output_tokens_per_s']:.2f}×"
                 )
             lines.append(f"- {name}: " + ", ".join(parts))
+    lines += _move_costs(setups)
     if res.get("prefix_repetition"):
         lines += [
             "",

@@ -100,8 +100,13 @@ class CephRGW:
             "&addressing_style=path&create_bucket=true"
         )
 
-    def _ceph(self, *args: str, timeout: float = 30, attempts: int = 5) -> str:
-        for attempt in range(attempts):
+    def _ceph(self, *args: str, timeout: float = 30, within: float = 30) -> str:
+        """One ``ceph`` CLI command (each here is idempotent), asked again until it
+        succeeds or ``within`` seconds passed. A client that asks before it has the monitor
+        map sends a zero fsid and is refused ("wrong fsid", EPERM); on a loaded machine
+        (CI) five tries 0.2 s apart were all refused once, so it is a deadline now."""
+        deadline = time.monotonic() + within
+        while True:
             proc = subprocess.run(
                 ["ceph", "-c", str(self.conf), *args],
                 capture_output=True,
@@ -110,14 +115,12 @@ class CephRGW:
             )
             if proc.returncode == 0:
                 return proc.stdout
-            # a client that asks before it has the monitor map sends a zero fsid and is
-            # refused ("wrong fsid", EPERM); asked again, it has the map
-            if attempt == attempts - 1 or "Operation not permitted" not in proc.stderr:
-                raise subprocess.CalledProcessError(
-                    proc.returncode, proc.args, proc.stdout, proc.stderr
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"ceph {' '.join(args)} failed with {proc.returncode}: "
+                    f"{proc.stderr.strip()[-500:]}"
                 )
-            time.sleep(0.2)
-        raise AssertionError("unreachable")
+            time.sleep(0.3)
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = self.dir / "log" / f"{name}.out"

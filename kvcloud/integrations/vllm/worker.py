@@ -76,6 +76,7 @@ class _Load:
     limit: int = 0  # chunks to pull: those before the first object remembered as bad
     writing: bool = False  # the thread is writing into vLLM's blocks (can't be abandoned)
     abandoned: bool = False  # reported as failed: the thread must not touch vLLM's blocks
+    ended: float = 0.0  # when the thread was done with it (monotonic), 0 while running
 
 
 @dataclass
@@ -292,11 +293,20 @@ class WorkerSide:
         )
         m = Match(self.ns, spec.tenant, refs, refs[-1].position + 1)
         started = time.monotonic()
+        try:
+            return self._pull_and_write(load, m)
+        finally:
+            load.ended = time.monotonic()
+            self.count(loads=1, load_us=int(1e6 * (load.ended - started)))
+
+    def _pull_and_write(self, load: _Load, m: Match) -> int:
+        spec = load.spec
+        started = time.monotonic()
         res = self.client.pull_into(m, list(to_numpy(load.staging[: load.limit])))
         log.debug(
             "kvcloud: pulled %d of %d chunks (%d bytes) for %s in %.0f ms",
             res.chunks,
-            len(refs),
+            len(m.chunks),
             res.bytes,
             spec.req_id,
             1e3 * (time.monotonic() - started),
@@ -315,8 +325,10 @@ class WorkerSide:
             self.store_breaker.success()
         if abandoned:
             return 0
+        wrote = time.monotonic()
         for name, layer in self.layer_index.items():
             self._write_layer(load, name, layer, res.chunks)
+        self.count(load_write_us=int(1e6 * (time.monotonic() - wrote)))
         return res.chunks
 
     def _write_layer(self, load: _Load, name: str, layer: int, n_chunks: int) -> None:
@@ -380,6 +392,8 @@ class WorkerSide:
             ok = self._outcome(load, now)
             if ok is None:
                 continue
+            if load.ended:
+                self.count(load_report_us=int(1e6 * max(0.0, time.monotonic() - load.ended)))
             self._settle(load, ok)
             done.add(req_id)
             del self._loads[req_id]
@@ -428,6 +442,7 @@ class WorkerSide:
             ]
         layer = self.layer_index[layer_name]
         layout = self.layouts[layer_name]
+        started = time.monotonic()
         for save in self._saves:
             try:
                 for ch, staging in zip(save.spec.chunks, save.staging, strict=True):
@@ -435,6 +450,7 @@ class WorkerSide:
                 save.layers_done.add(layer)
             except (LayoutError, RuntimeError, IndexError) as exc:
                 log.warning("kvcloud: could not read %s for saving: %s", layer_name, exc)
+        self.count(save_us=int(1e6 * (time.monotonic() - started)))
 
     def wait_for_save(self) -> None:
         saves, self._saves = self._saves, []
