@@ -92,6 +92,13 @@ def offloading_transfer_config(fs_dir: Path, cpu_gib: float = 1.0) -> dict[str, 
     }
 
 
+VLLM_TIMINGS = (
+    "request_queue_time_seconds",
+    "request_prefill_time_seconds",
+    "time_to_first_token_seconds",
+)
+
+
 @dataclass
 class VLLMServer:
     name: str
@@ -211,6 +218,21 @@ class VLLMServer:
         r.raise_for_status()
         out = r.json()
         out["elapsed_s"] = elapsed
+        return out
+
+    def timings(self) -> dict[str, float]:
+        """vLLM's own per-request time sums and counts (seconds): time waiting before its
+        first schedule (with an asynchronous load, that includes the load), first schedule
+        to first token, and TTFT."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            name = line.split("{")[0].split(" ")[0]
+            for metric in VLLM_TIMINGS:
+                for part in ("_sum", "_count"):
+                    if name == f"vllm:{metric}{part}":
+                        key = metric + part
+                        out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
         return out
 
     def metrics(self) -> dict[str, float]:

@@ -24,14 +24,14 @@ H, D = 3, 8
 
 
 def cpu_write(key, value, cache, slots):  # cache [blocks, H, N, 2D]
-    nb, h, n, _ = cache.shape
+    nb, h, n, two_d = cache.shape
     view = cache.view(nb, h, 2 * n, -1)
     kc, vc = view[:, :, :n], view[:, :, n:]
     for t, s in enumerate(slots.tolist()):
         b, o = divmod(s, n)
         for hh in range(h):
             # K transposed inside the block: element (o, d) at flat d * n + o
-            kc[b, hh].reshape(-1)[torch.arange(D) * n + o] = key[t, hh]
+            kc[b, hh].reshape(-1)[torch.arange(two_d // 2) * n + o] = key[t, hh]
             vc[b, hh, o] = value[t, hh]
 
 
