@@ -220,31 +220,35 @@ class VLLMServer:
         out["elapsed_s"] = elapsed
         return out
 
+    def _scrape(self) -> dict[str, float]:
+        """Every sample on vLLM's ``/metrics``, summed over its labels, by metric name."""
+        out: dict[str, float] = {}
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            name = line.split("{")[0].split(" ")[0]
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
+
     def timings(self) -> dict[str, float]:
         """vLLM's own per-request time sums and counts (seconds): time waiting before its
         first schedule (with an asynchronous load, that includes the load), first schedule
         to first token, and TTFT."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            name = line.split("{")[0].split(" ")[0]
-            for metric in VLLM_TIMINGS:
-                for part in ("_sum", "_count"):
-                    if name == f"vllm:{metric}{part}":
-                        key = metric + part
-                        out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-        return out
+        samples = self._scrape()
+        return {
+            metric + part: samples[f"vllm:{metric}{part}"]
+            for metric in VLLM_TIMINGS
+            for part in ("_sum", "_count")
+            if f"vllm:{metric}{part}" in samples
+        }
 
     def metrics(self) -> dict[str, float]:
         """vLLM's kvcloud counters (``vllm:kvcloud_*_total``), summed over labels."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith("vllm:kvcloud_") and "_total" in line:
-                name = line.split("{")[0].split(" ")[0]
-                short = name.removeprefix("vllm:kvcloud_").removesuffix("_total")
-                out[short] = out.get(short, 0.0) + float(line.rsplit(" ", 1)[1])
-        return out
+        return {
+            name.removeprefix("vllm:kvcloud_").removesuffix("_total"): value
+            for name, value in self._scrape().items()
+            if name.startswith("vllm:kvcloud_") and name.endswith("_total")
+        }
 
 
 def cached_tokens(resp: dict[str, Any]) -> int:
