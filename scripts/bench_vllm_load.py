@@ -16,8 +16,12 @@ Workloads nobody here wrote:
 
 Setups (same vLLM flags, same requests): no connector sticky and round-robin; kvcloud on
 ``file://`` + ``sqlite://``; kvcloud on Ceph RGW + redis-server (the production servers the
-test suite starts); vLLM's ExampleConnector on a shared folder. Each setup's answers are
-compared with the sticky no-connector run's, turn by turn (greedy: they must be equal).
+test suite starts); LMCache's multiprocess server shared by both vLLMs, with its fs and its
+Redis-protocol L2; vLLM's tiered offloading with its fs tier (scripts/vllm_offload_cpu.py);
+vLLM's ExampleConnector on a shared folder; and kvcloud variants (``load_mode=sync``, prompts
+only, sticky with write-through on and off: what the connector costs when nothing moves).
+Each setup's answers are compared with the sticky no-connector run's, turn by turn (greedy:
+they must be equal). The report ends with issue 22's targets, each judged on this run.
 
 Reported per setup: requests/s, output tokens/s, TTFT p50/p99 (all turns, and turns after
 the first: the ones that move), ITL p50/p99 over every gap of every stream, prompt tokens
@@ -69,7 +73,7 @@ SETUPS = (
     "offload-fs",
     "example",
 )
-# variants for the docs' own questions (not in the default run): the base setup, routing,
+# variants for the docs' own questions (in the default run, after SETUPS): the base setup, routing,
 # and the kvcloud settings that differ
 VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "kvcloud-file-sync": ("kvcloud-file", "round-robin", {"load_mode": "sync"}),
@@ -467,14 +471,21 @@ class Bench:
                           "max_tokens": 2},
                     timeout=300,
                 ).raise_for_status()  # fmt: skip
+            # vLLM's counters from here on: the warm-up requests are not the replay's
+            before = [s.timings() for s in servers]
+            kv_before = [s.metrics() for s in servers]
             turns, wall = asyncio.run(
                 replay(urls, self.convs, routing, self.args.concurrency, self.args.max_tokens)
             )
             res = summarize(turns, wall)
             res["routing"] = routing
             res["stored_bytes"] = self.stored_bytes(info)
-            res["kvcloud"] = _sum_metrics([s.metrics() for s in servers])
-            res["vllm_timings"] = _sum_metrics([s.timings() for s in servers])
+            res["kvcloud"] = _diff_metrics(
+                _sum_metrics([s.metrics() for s in servers]), _sum_metrics(kv_before)
+            )
+            res["vllm_timings"] = _diff_metrics(
+                _sum_metrics([s.timings() for s in servers]), _sum_metrics(before)
+            )
             if setup == "sticky":
                 self.reference = {(t.conv, t.turn): t.text for t in turns if not t.error}
             diffs = [
@@ -528,6 +539,7 @@ class Bench:
             "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
         ]  # fmt: skip
         env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1")
+        before = server.metrics()
         proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=1800)
         if proc.returncode != 0:
             log(f"{setup}: vllm bench serve failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
@@ -539,6 +551,8 @@ class Bench:
             if k.startswith(("p50_", "p90_", "p99_", "mean_", "median_"))
             or k in ("request_throughput", "output_throughput", "completed", "duration")
         }
+        # what the connector did in this phase alone
+        keep["kvcloud"] = _diff_metrics(server.metrics(), before)
         self.results["prefix_repetition"][setup] = keep
         log(
             f"{setup}: prefix_repetition TTFT p50 {keep.get('p50_ttft_ms', 0):.0f} ms p99 "
@@ -585,6 +599,10 @@ def _sum_metrics(all_metrics: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+def _diff_metrics(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
 # -- report --------------------------------------------------------------------------------
 
 
@@ -609,7 +627,6 @@ def _server_side(setups: dict[str, Any]) -> list[str]:
         n = t.get("time_to_first_token_seconds_count", 0)
         if not n:
             continue
-        # the warm-up requests are in vLLM's counts too: means, not sums
         rows.append(
             f"| {name} | {1e3 * t['request_queue_time_seconds_sum'] / n:.0f} | "
             f"{1e3 * t['request_prefill_time_seconds_sum'] / n:.0f} | "
@@ -662,6 +679,192 @@ def _move_costs(setups: dict[str, Any]) -> list[str]:
     ]
 
 
+COMPETITORS = ("lmcache-fs", "lmcache-resp", "offload-fs", "example")
+KVCLOUD_MOVING = ("kvcloud-file", "kvcloud-s3", "kvcloud-file-sync")
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "**not met**"
+
+
+def targets(res: dict[str, Any]) -> list[str]:
+    """Issue 22's targets, each judged on this run's figures, beside the bound measured in
+    the same run: what moving the KV itself costs (the connector's restore timings), what
+    the connector costs with nothing moving (``kvcloud-sticky``: same routing as sticky),
+    and how far sticky itself is from round-robin (no store that moves KV can beat a
+    server that never lost it)."""
+    setups = res["setups"]
+    ref, rr = setups.get("sticky"), setups.get("round-robin")
+    if ref is None or rr is None:
+        return []
+    still = setups.get("kvcloud-sticky")
+    rows: list[str] = []
+
+    def row(target: str, name: str, result: str, bound: str = "") -> None:
+        rows.append(f"| {target} | {name} | {result} | {bound} |")
+
+    for name in KVCLOUD_MOVING:
+        r = setups.get(name)
+        if r is None:
+            continue
+        k = r.get("kvcloud") or {}
+        p50 = r["ttft_p50_ms"] / ref["ttft_p50_ms"]
+        p99 = r["ttft_p99_ms"] / ref["ttft_p99_ms"]
+        loads = k.get("loads", 0)
+        bound = []
+        if loads:
+            restore = k.get("load_us", 0) / loads / 1e3
+            waited = k.get("load_report_us", 0) / loads / 1e3
+            bound.append(
+                f"moving the KV: restore {restore:.0f} ms per moved turn "
+                f"({restore / ref['ttft_p50_ms']:.0%} of sticky's p50)"
+                + (f", then {waited:.0f} ms waiting for the step to end" if waited else "")
+            )
+        bound.append(f"measured extra per turn {paired_extra_ms(ref, r):+.0f} ms (paired)")
+        if still is not None:
+            bound.append(
+                f"nothing moving (kvcloud-sticky): p50 "
+                f"{still['ttft_p50_ms'] / ref['ttft_p50_ms']:.2f}×, p99 "
+                f"{still['ttft_p99_ms'] / ref['ttft_p99_ms']:.2f}× sticky"
+            )
+        row(
+            "moving is nearly free: TTFT p50 ≤ 1.1×, p99 ≤ 1.3× sticky",
+            name,
+            f"p50 {p50:.2f}× ({_verdict(p50 <= 1.1)}), p99 {p99:.2f}× ({_verdict(p99 <= 1.3)})",
+            "; ".join(bound),
+        )
+        better = rr["ttft_p50_ms"] / r["ttft_p50_ms"]
+        ceiling = rr["ttft_p50_ms"] / ref["ttft_p50_ms"]
+        row(
+            "≥ 2× better than round-robin without a connector (TTFT p50)",
+            name,
+            f"{better:.2f}× ({_verdict(better >= 2)})",
+            f"sticky, where no KV moves: {ceiling:.2f}× better than round-robin",
+        )
+        beaten = []
+        for other in COMPETITORS:
+            o = setups.get(other)
+            if o is None:
+                continue
+            ok = r["ttft_p50_ms"] < o["ttft_p50_ms"] and r["ttft_p99_ms"] < o["ttft_p99_ms"]
+            beaten.append(
+                f"{other} {o['ttft_p50_ms']:.0f} / {o['ttft_p99_ms']:.0f} ({_verdict(ok)})"
+            )
+        if beaten:
+            row(
+                "TTFT p50 and p99 better than LMCache, vLLM's fs tier, ExampleConnector",
+                name,
+                f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} ms against " + ", ".join(beaten),
+            )
+        lm = [setups[o]["output_tokens_per_s"] for o in COMPETITORS[:2] if o in setups]
+        tput = r["output_tokens_per_s"]
+        ok = tput >= rr["output_tokens_per_s"] and all(tput >= x for x in lm)
+        row(
+            "output tokens/s ≥ no connector (round-robin) and ≥ LMCache",
+            name,
+            f"{tput:.1f} against {rr['output_tokens_per_s']:.1f}"
+            + (" and " + " / ".join(f"{x:.1f}" for x in lm) if lm else "")
+            + f" ({_verdict(ok)})",
+            f"sticky: {ref['output_tokens_per_s']:.1f}",
+        )
+        itl = r["itl_p99_ms"] / rr["itl_p99_ms"]
+        row(
+            "ITL p99 ≤ 1.15× no connector (round-robin)",
+            name,
+            f"{itl:.2f}× ({_verdict(itl <= 1.15)}); {r['itl_p99_ms']:.0f} against "
+            f"{rr['itl_p99_ms']:.0f} ms",
+            f"sticky (no connector, its prompts' prefixes all cached): "
+            f"{ref['itl_p99_ms'] / rr['itl_p99_ms']:.2f}× round-robin"
+            + (
+                f"; kvcloud-sticky: {still['itl_p99_ms'] / rr['itl_p99_ms']:.2f}×"
+                if still is not None
+                else ""
+            ),
+        )
+    wrong = {n: r["answers_differing"] for n, r in setups.items() if n != "sticky"}
+    row(
+        "zero wrong completions (greedy, turn by turn against sticky)",
+        "every setup",
+        ", ".join(f"{n} {w}" for n, w in wrong.items()) + f" ({_verdict(not any(wrong.values()))})",
+    )
+    pr = res.get("prefix_repetition") or {}
+    if "sticky" in pr:
+        base = pr["sticky"]
+        for name, r in pr.items():
+            if not name.startswith("kvcloud"):
+                continue
+            parts = []
+            ok = True
+            for q in ("p50", "p90", "p99"):
+                a, b = r.get(f"{q}_ttft_ms", 0.0), base.get(f"{q}_ttft_ms", 0.0)
+                ok &= a <= b
+                parts.append(f"{q} {a:.0f} vs {b:.0f}")
+            k = r.get("kvcloud") or {}
+            asked = k.get("lookups", 0) + k.get("lookups_not_waited", 0)
+            reason = (
+                f"{k.get('lookups_not_waited', 0):.0f} of {asked:.0f} requests never waited "
+                f"for their lookup (vLLM's own cache held the prefix), "
+                f"{k.get('lookup_deferrals', 0):.0f} deferred a step; "
+                f"{k.get('chunks_pushed', 0):.0f} chunks pushed, "
+                f"{k.get('save_us', 0) / 1e3:.0f} ms of copies on the forward thread"
+                if k
+                else ""
+            )
+            row(
+                "prefix_repetition, one server: no slower than no connector at any percentile",
+                name + (" (write_policy=off)" if name.endswith("-off") else ""),
+                ", ".join(parts) + f" ms ({_verdict(ok)})",
+                reason,
+            )
+    return [
+        "",
+        "Targets (issue 22), judged on this run, each beside what bounds it in the same run:",
+        "",
+        "| target | setup | this run | bound measured in the same run |",
+        "|---|---|---|---|",
+        *rows,
+    ]
+
+
+def _prefill_tok_s(r: dict[str, Any]) -> float:
+    """Prompt tokens vLLM computed per second of its prefill time (first schedule to first
+    token, summed over the replay's requests)."""
+    t = (r.get("vllm_timings") or {}).get("request_prefill_time_seconds_sum", 0.0)
+    return (r["prompt_tokens"] - r["cached_tokens"]) / t if t else float("nan")
+
+
+def _write_cost(setups: dict[str, Any]) -> list[str]:
+    """What write-through costs when nothing moves: the same sticky replay with kvcloud
+    saving every chunk (prompt and answer) and with ``write_policy=off`` (lookups only)."""
+    on, off = setups.get("kvcloud-sticky"), setups.get("kvcloud-sticky-off")
+    if on is None or off is None:
+        return []
+    rows = []
+    for name, r in (("kvcloud-sticky-off", off), ("kvcloud-sticky", on)):
+        k = r.get("kvcloud") or {}
+        rows.append(
+            f"| {name} | {_prefill_tok_s(r):.0f} | {r['itl_p50_ms']:.0f} | "
+            f"{r['itl_p99_ms']:.0f} | {r['output_tokens_per_s']:.1f} | "
+            f"{k.get('chunks_pushed', 0):.0f} | {k.get('save_us', 0) / 1e3:.0f} | "
+            f"{r['stored_bytes'] / 1e6:.0f} |"
+        )
+    return [
+        "",
+        "What write-through costs with nothing moving (sticky routing, connector on; "
+        "`write_policy=off` looks up but saves nothing):",
+        "",
+        "| setup | prefill tok/s | ITL p50 | ITL p99 | out tok/s | chunks pushed | "
+        "save copies ms (total) | stored MB |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        f"Write-through against off: prefill {_prefill_tok_s(on) / _prefill_tok_s(off):.2f}×, "
+        f"ITL p50 {on['itl_p50_ms'] / off['itl_p50_ms']:.2f}×, "
+        f"ITL p99 {on['itl_p99_ms'] / off['itl_p99_ms']:.2f}×, "
+        f"output {on['output_tokens_per_s'] / off['output_tokens_per_s']:.2f}×.",
+    ]
+
+
 def report(res: dict[str, Any]) -> str:
     cfg = res["config"]
     lines = [
@@ -704,6 +907,7 @@ def report(res: dict[str, Any]) -> str:
             lines.append(f"- {name}: " + ", ".join(parts))
     lines += _server_side(setups)
     lines += _move_costs(setups)
+    lines += _write_cost(setups)
     if res.get("prefix_repetition"):
         lines += [
             "",
@@ -719,6 +923,7 @@ def report(res: dict[str, Any]) -> str:
                 f"{r.get('p99_ttft_ms', 0):.0f} | {r.get('p50_itl_ms', 0):.0f} | "
                 f"{r.get('p99_itl_ms', 0):.0f} | {r.get('p99_e2el_ms', 0):.0f} |"
             )
+    lines += targets(res)
     if "total_s" in res:
         lines += ["", f"Whole run: {res['total_s'] / 60:.1f} min."]
     return "\n".join(lines) + "\n"
@@ -730,7 +935,7 @@ def main() -> None:
     ap.add_argument(
         "--setups",
         nargs="+",
-        default=[*SETUPS, "kvcloud-file-sync", "kvcloud-file-prompts", "kvcloud-sticky"],
+        default=[*SETUPS, *VARIANTS],
         choices=[*SETUPS, *VARIANTS],
     )
     ap.add_argument("--conversations", type=int, default=6)
@@ -755,7 +960,7 @@ def main() -> None:
     ap.add_argument(
         "--prefix-repetition",
         nargs="*",
-        default=["sticky", "kvcloud-file", "kvcloud-s3", "lmcache-fs"],
+        default=["sticky", "kvcloud-file", "kvcloud-s3", "lmcache-fs", "kvcloud-sticky-off"],
         help="setups whose first server also runs vllm bench serve's prefix_repetition",
     )
     ap.add_argument("--prefix-len", type=int, default=1024)

@@ -342,3 +342,66 @@ def test_sync_load_mode_offers_loads_as_synchronous(stored: tuple[KVCloud, list[
     req = request("r1", tokens)
     s.on_new_request(req)
     assert ask(s, req, sync=True) == 4 * C
+
+
+def test_a_prefix_vllm_holds_itself_never_waits_for_the_index(tmp_path: Path) -> None:
+    """vLLM's own cache already holds every block before the prompt's last token: nothing
+    kvcloud holds could be offered, so vLLM gets its answer at once even from a hung index,
+    and the chunks beyond its cache are still saved (those in it are taken as stored)."""
+    hole = Blackhole()
+    try:
+        kvc = KVCloud.open(
+            store=f"file://{tmp_path}/o",
+            index=f"redis://127.0.0.1:{hole.port}/0",
+            read_timeout=5.0,
+            secret="s",
+        )
+        tokens = [int(t) for t in make_tokens(3 * C + 1)]  # last token alone in chunk 3
+        # vLLM's hit stops a block short of the last one: the lookup could add a block, so
+        # the first ask waits its lookup_wait_ms for the (hung) index
+        s = side(kvc, lookup_wait_ms=300, lookup_timeout=5.0)
+        req = request("r1", tokens)
+        s.on_new_request(req)
+        t0 = time.perf_counter()
+        assert s.get_num_new_matched_tokens(req, 3 * C - BS) == (None, False)
+        assert time.perf_counter() - t0 >= 0.25
+        # vLLM's hit reaches the last block: an answer at once
+        s2 = side(kvc, lookup_wait_ms=300, lookup_timeout=5.0)
+        req2 = request("r2", tokens)
+        s2.on_new_request(req2)
+        t0 = time.perf_counter()
+        assert s2.get_num_new_matched_tokens(req2, 3 * C) == (0, False)
+        assert time.perf_counter() - t0 < 0.05
+        assert s2.take_stats()["lookups_not_waited"] == 1
+        # scheduled with the lookup still out: the chunk beyond vLLM's hit of 2 chunks is
+        # saved, keyed like the lookup would have, and none of the cached ones
+        new = SimpleNamespace(
+            req_id="r2", block_ids=([1, 2, 3, 4, 5, 6, 7],), num_computed_tokens=2 * C
+        )
+        out = output(new=[new])
+        out.num_scheduled_tokens = {"r2": len(tokens) - 2 * C}
+        want = kvc.fingerprints(make_ns("float32"), tokens[: 3 * C])
+        assert saved(s2.build_connector_meta(out)) == [(2, want[2], [5, 6])]
+        s.shutdown()
+        s2.shutdown()
+    finally:
+        hole.close()
+
+
+def test_a_lookup_not_waited_for_still_tells_the_save_what_is_stored(
+    stored: tuple[KVCloud, list[int]],
+) -> None:
+    kvc, tokens = stored  # chunks 0-3 stored; the prompt is 4 C + 5 tokens
+    s = side(kvc)
+    req = request("r1", tokens)
+    s.on_new_request(req)
+    assert s.get_num_new_matched_tokens(req, 4 * C) == (0, False)
+    s._pending["r1"].future.result(timeout=5)  # the lookup is back by the end of the step
+    # vLLM's own hit was only chunk 0 (say it evicted the rest after asking): the index
+    # said chunks 0-3 are stored, so none is saved again
+    new = SimpleNamespace(req_id="r1", block_ids=(list(range(1, 11)),), num_computed_tokens=C)
+    out = output(new=[new])
+    out.num_scheduled_tokens = {"r1": len(tokens) - C}
+    assert saved(s.build_connector_meta(out)) == []
+    stats = s.take_stats()
+    assert stats["lookups_not_waited"] == 1 and "lookups" not in stats

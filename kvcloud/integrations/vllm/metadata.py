@@ -34,6 +34,7 @@ COUNTERS: dict[str, str] = {
     "lookup_timeouts": "lookups given up after lookup_timeout: served as misses",
     "lookup_deferrals": "scheduler steps a new request waited for its lookup (others ran)",
     "lookups_skipped": "requests not looked up because the index breaker was open",
+    "lookups_not_waited": "requests vLLM's own cache served fully: their lookup not waited for",
     "requests_skipped": "requests kvcloud cannot key (prompt embeddings): run without it",
     "index_breaker_opened": "times the index circuit breaker opened",
     "store_breaker_opened": "times the store circuit breaker opened",

@@ -52,6 +52,7 @@ class _Plan:
     tenant: str
     fps: list[bytes]  # every full chunk of the prompt
     match: Match | None  # None: no hit (miss, failure, skipped)
+    stored: int = 0  # leading chunks known stored without the index (match is None)
     local: int = 0  # vLLM's own hit when the load was offered
     external: int = 0  # tokens offered beyond it
     block_ids: list[int] = field(default_factory=list)
@@ -241,17 +242,25 @@ class SchedulerSide:
         self._requests[request.request_id] = request
         if not request.prompt_token_ids:
             return 0, False
+        # vLLM must compute at least the prompt's last token to sample from it. The hit ends
+        # on a vLLM block boundary: of the last stored chunk it reaches, only the blocks
+        # before that token are loaded (the object is pulled and verified whole), so a
+        # prompt that is an exact multiple of the chunk recomputes one block, not one chunk.
+        last_block = (len(request.prompt_token_ids) - 1) // self.block_size * self.block_size
+        rid = request.request_id
+        if num_computed_tokens >= last_block and rid not in self._plans:
+            # vLLM's own cache holds every block kvcloud could offer: the lookup cannot
+            # change the answer, so vLLM does not wait for it (a shared prefix served
+            # locally costs no index round trip on the scheduler's thread). What it says
+            # about stored chunks is still used for the saves if it is back by then.
+            self.count(lookups_not_waited=1)
+            return 0, False
         plan = self._resolve(request)
         if plan is None:
             return None, False
         usable = self._usable_chunks(plan)
         if usable == 0:
             return 0, False
-        # vLLM must compute at least the prompt's last token to sample from it. The hit ends
-        # on a vLLM block boundary: of the last stored chunk it reaches, only the blocks
-        # before that token are loaded (the object is pulled and verified whole), so a
-        # prompt that is an exact multiple of the chunk recomputes one block, not one chunk.
-        last_block = (len(request.prompt_token_ids) - 1) // self.block_size * self.block_size
         hit = min(usable * self.ns.chunk_tokens, last_block)
         external = hit - num_computed_tokens
         if external <= 0 or external < self.cfg.min_hit_tokens:
@@ -314,11 +323,13 @@ class SchedulerSide:
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             plan = self._plans.pop(new.req_id, None)
+            if plan is None:
+                plan = self._unwaited_plan(new.req_id, new.num_computed_tokens)
             if plan is None or (plan.match is None and not plan.fps):
                 continue
             if self.cfg.write_policy == "off" or new.req_id in self._saving:
                 continue
-            stored = len(plan.match.chunks) if plan.match is not None else 0
+            stored = len(plan.match.chunks) if plan.match is not None else plan.stored
             saving = _Saving(
                 plan.tenant,
                 list(plan.fps),
@@ -345,6 +356,28 @@ class SchedulerSide:
             computed = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
             self._collect(req_id, saving, computed, meta)
         return meta
+
+    def _unwaited_plan(self, rid: str, local: int) -> _Plan | None:
+        """The plan of a request scheduled without waiting for its lookup: the index's
+        answer if it is back, else its fingerprints with the chunks in vLLM's own cache
+        taken as stored (this server computed and pushed them, or loaded them from kvcloud),
+        so only the chunks beyond are saved. Never waits."""
+        pending = self._pending.pop(rid, None)
+        if pending is None:
+            return None
+        if pending.future.done():
+            try:
+                plan = pending.future.result()
+            except Exception as exc:  # a bug in the lookup thread: no saves for it
+                log.warning("kvcloud lookup for %s failed: %s", rid, exc)
+                return None
+            return plan
+        request = self._requests.get(rid)
+        if request is None:
+            return None
+        tenant = request_scope(self.cfg.tenant, request)  # it passed in _start already
+        fps = self.client.fingerprints(self.ns, list(request.prompt_token_ids), tenant)
+        return _Plan(tenant, fps, None, stored=local // self.ns.chunk_tokens)
 
     def _collect(self, req_id: str, saving: _Saving, computed: int, meta: StepSpec) -> None:
         """Save the chunks this step completes: prompt chunks, and answer chunks too when the
