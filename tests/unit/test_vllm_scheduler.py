@@ -405,3 +405,36 @@ def test_a_lookup_not_waited_for_still_tells_the_save_what_is_stored(
     assert saved(s.build_connector_meta(out)) == []
     stats = s.take_stats()
     assert stats["lookups_not_waited"] == 1 and "lookups" not in stats
+
+
+def test_a_short_prompt_vllm_holds_still_saves_its_answer(
+    stored: tuple[KVCloud, list[int]],
+) -> None:
+    """A prompt shorter than a chunk whose blocks vLLM's own cache holds is scheduled
+    without waiting for the index; the chunk its answer fills is still saved (it was
+    skipped: no prompt chunk and no index answer read as "not kvcloud's request")."""
+    kvc, _ = stored
+    s = side(kvc)
+    tokens = [int(t) for t in make_tokens(C - 4, seed=5)]  # 12 tokens: no full chunk
+    busy = threading.Event()  # the lookup threads are all busy: its lookup is not back
+    for _ in range(4):
+        s._lookups.submit(busy.wait, 10)
+    req = request("r1", tokens)
+    s.on_new_request(req)
+    assert s.get_num_new_matched_tokens(req, BS) == (0, False)  # block 0 is vLLM's own
+    assert s.take_stats()["lookups_not_waited"] == 1
+    new = SimpleNamespace(req_id="r1", block_ids=([3, 4],), num_computed_tokens=BS)
+    out = output(new=[new])
+    out.num_scheduled_tokens = {"r1": len(tokens) - BS}
+    assert saved(s.build_connector_meta(out)) == []
+    answer = [int(t) for t in make_tokens(4, seed=9)]
+    for t in answer[:3]:
+        req.all_token_ids.append(t)
+        step = output(cached=[("r1", None, len(req.all_token_ids) - 1, 1)])
+        assert saved(s.build_connector_meta(step)) == []
+    req.all_token_ids.append(answer[3])  # token C-1: the chunk is whole
+    step = output(cached=[("r1", None, len(req.all_token_ids) - 1, 1)])
+    want_fp = kvc.fingerprints(make_ns("float32"), tokens + answer)[0]
+    assert saved(s.build_connector_meta(step)) == [(0, want_fp, [3, 4])]
+    busy.set()
+    s.shutdown()

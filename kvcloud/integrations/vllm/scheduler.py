@@ -53,6 +53,7 @@ class _Plan:
     fps: list[bytes]  # every full chunk of the prompt
     match: Match | None  # None: no hit (miss, failure, skipped)
     stored: int = 0  # leading chunks known stored without the index (match is None)
+    skip: bool = False  # a request kvcloud cannot key: neither loaded nor saved
     local: int = 0  # vLLM's own hit when the load was offered
     external: int = 0  # tokens offered beyond it
     block_ids: list[int] = field(default_factory=list)
@@ -138,7 +139,7 @@ class SchedulerSide:
         except SkipRequest as exc:
             self.count(requests_skipped=1)
             log.info("kvcloud: request %s runs without kvcloud: %s", rid, exc)
-            plan = self._plans[rid] = _Plan("", [], None)
+            plan = self._plans[rid] = _Plan("", [], None, skip=True)
             return plan
         if not self.index_breaker.allow():
             self.count(lookups_skipped=1)
@@ -201,14 +202,22 @@ class SchedulerSide:
             self.count(lookup_timeouts=1)
             if waited >= self.cfg.lookup_timeout:
                 self.index_breaker.failure("lookup timed out", timeout=True)
-            plan = _Plan("", [], None)
+            plan = self._miss_plan(request)
         except Exception as exc:  # a bug in the lookup thread: a miss, never a failed request
             log.warning("kvcloud lookup for %s failed: %s", rid, exc)
-            plan = _Plan("", [], None)
+            plan = self._miss_plan(request)
         self._pending.pop(rid, None)
         self.count(lookups=1)
         self._plans[rid] = plan
         return plan
+
+    def _miss_plan(self, request: Any) -> _Plan:
+        """A request served as a miss without the index's answer: nothing is loaded, but
+        its chunks (prompt, and answer as the decode fills them) are still saved; the
+        uploader skips those already indexed."""
+        tenant = request_scope(self.cfg.tenant, request)  # it passed in _start already
+        fps = self.client.fingerprints(self.ns, list(request.prompt_token_ids), tenant)
+        return _Plan(tenant, fps, None)
 
     def _usable_chunks(self, plan: _Plan) -> int:
         """Leading chunks of the hit that may be offered: the store is up and none of them is
@@ -325,7 +334,7 @@ class SchedulerSide:
             plan = self._plans.pop(new.req_id, None)
             if plan is None:
                 plan = self._unwaited_plan(new.req_id, new.num_computed_tokens)
-            if plan is None or (plan.match is None and not plan.fps):
+            if plan is None or plan.skip:
                 continue
             if self.cfg.write_policy == "off" or new.req_id in self._saving:
                 continue
@@ -375,9 +384,9 @@ class SchedulerSide:
         request = self._requests.get(rid)
         if request is None:
             return None
-        tenant = request_scope(self.cfg.tenant, request)  # it passed in _start already
-        fps = self.client.fingerprints(self.ns, list(request.prompt_token_ids), tenant)
-        return _Plan(tenant, fps, None, stored=local // self.ns.chunk_tokens)
+        plan = self._miss_plan(request)
+        plan.stored = local // self.ns.chunk_tokens
+        return plan
 
     def _collect(self, req_id: str, saving: _Saving, computed: int, meta: StepSpec) -> None:
         """Save the chunks this step completes: prompt chunks, and answer chunks too when the

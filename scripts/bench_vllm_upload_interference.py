@@ -1,0 +1,109 @@
+"""What the connector's uploader does to a decoding engine on the same core, in and out of
+its process.
+
+Each server in ``make bench-vllm-load`` is bound to one core; its forward pass, and the
+connector's uploader thread (encode, BLAKE3, encrypt, write: ``KVCloud.push_chunks``), share
+it. A forward-like loop (per layer a few small torch ops with Python between them, as a
+decode step) is timed per step on one core: alone, beside the same pushes made by a thread
+of its own process (the connector today: the two share the core and the GIL), and beside the
+same pushes made by another process bound to the same core (they share only the core). The
+chunks are SmolLM2-135M's shape in fp32 (128 tokens, 5.9 MB), encrypted, to a ``file://``
+store, as in the load bench.
+
+    python scripts/bench_vllm_upload_interference.py --seconds 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+
+from kvcloud import KVCloud, Namespace
+
+LAYERS, HEADS, DIM, BLOCK = 30, 3, 64, 128  # SmolLM2-135M, the bench's block size
+
+
+def pusher(work: str, core: int, stop: threading.Event | None, seconds: float) -> None:
+    """Push fresh chunks back to back until told to stop (or for ``seconds``)."""
+    os.sched_setaffinity(0, {core})
+    ns = Namespace(
+        model="bench", revision="r", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM,
+        dtype="float32", chunk_tokens=BLOCK,
+    )  # fmt: skip
+    kvc = KVCloud.open(store=f"file://{work}/o", index=f"sqlite://{work}/i.db", secret="b")
+    rng = np.random.default_rng(os.getpid())
+    kv = rng.standard_normal(ns.kv_shape(BLOCK), dtype=np.float32)
+    end = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < end and not (stop is not None and stop.is_set()):
+        fp = rng.bytes(32)
+        kvc.push_chunks(ns, [(fp, b"\0" * 32, kv)])
+        n += 1
+    kvc.close()
+    print(f"  pushed {n} chunks ({n * kv.nbytes / 1e6:.0f} MB)", flush=True)
+
+
+def steps_ms(seconds: float) -> list[float]:
+    """Time a decode-like step (30 layers of small ops) over and over for ``seconds``."""
+    x, w = torch.randn(3, 576), torch.randn(576, 576)
+    out = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        t0 = time.perf_counter()
+        for _ in range(LAYERS):
+            y = torch.nn.functional.silu(x @ w)
+            x = (y * 0.5 + x) / (x.norm() + 1)
+        out.append(1e3 * (time.perf_counter() - t0))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--core", type=int, default=0)
+    args = ap.parse_args()
+    os.sched_setaffinity(0, {args.core})
+    torch.set_num_threads(1)
+    work = tempfile.mkdtemp(prefix="kvcloud-upint-")
+    results: dict[str, list[float]] = {}
+
+    results["alone"] = steps_ms(args.seconds)
+
+    stop = threading.Event()
+    th = threading.Thread(target=pusher, args=(work, args.core, stop, 3600.0), daemon=True)
+    th.start()
+    time.sleep(0.5)
+    results["uploader thread, same process (today)"] = steps_ms(args.seconds)
+    stop.set()
+    th.join()
+
+    proc = mp.get_context("spawn").Process(
+        target=pusher, args=(work, args.core, None, args.seconds + 1.0)
+    )
+    proc.start()
+    time.sleep(0.5)
+    results["uploader in another process, same core"] = steps_ms(args.seconds)
+    proc.join()
+
+    print(f"\ndecode-like step ({LAYERS} layers of small ops), one core, {args.seconds:.0f} s each")
+    print("\n| beside | steps | p50 ms | p90 ms | p99 ms |\n|---|---:|---:|---:|---:|")
+    for name, t in results.items():
+        s = sorted(t)
+        p90, p99 = s[int(0.9 * (len(s) - 1))], s[int(0.99 * (len(s) - 1))]
+        print(f"| {name} | {len(s)} | {statistics.median(s):.2f} | {p90:.2f} | {p99:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
