@@ -192,15 +192,20 @@ class Blackhole:
             c.close()
 
 
+def hung_index_client(tmp_path: Path, hole: Blackhole) -> KVCloud:
+    """A client whose index is the black hole (its store a local folder)."""
+    return KVCloud.open(
+        store=f"file://{tmp_path}/o",
+        index=f"redis://127.0.0.1:{hole.port}/0",
+        read_timeout=5.0,
+        secret="s",
+    )
+
+
 def test_a_hung_index_never_holds_the_scheduler(tmp_path: Path) -> None:
     hole = Blackhole()
     try:
-        kvc = KVCloud.open(
-            store=f"file://{tmp_path}/o",
-            index=f"redis://127.0.0.1:{hole.port}/0",
-            read_timeout=5.0,
-            secret="s",
-        )
+        kvc = hung_index_client(tmp_path, hole)
         s = side(kvc, lookup_timeout=0.5, breaker_failures=2, breaker_backoff=30.0)
         tokens = [int(t) for t in make_tokens(4 * C + 5)]
         calls: list[float] = []
@@ -350,12 +355,7 @@ def test_a_prefix_vllm_holds_itself_never_waits_for_the_index(tmp_path: Path) ->
     and the chunks beyond its cache are still saved (those in it are taken as stored)."""
     hole = Blackhole()
     try:
-        kvc = KVCloud.open(
-            store=f"file://{tmp_path}/o",
-            index=f"redis://127.0.0.1:{hole.port}/0",
-            read_timeout=5.0,
-            secret="s",
-        )
+        kvc = hung_index_client(tmp_path, hole)
         tokens = [int(t) for t in make_tokens(3 * C + 1)]  # last token alone in chunk 3
         # vLLM's hit stops a block short of the last one: the lookup could add a block, so
         # the first ask waits its lookup_wait_ms for the (hung) index
