@@ -79,6 +79,9 @@ AGAIN = "sticky-again"
 VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "kvcloud-file-sync": ("kvcloud-file", "round-robin", {"load_mode": "sync"}),
     "kvcloud-file-prompts": ("kvcloud-file", "round-robin", {"save_decode": False}),
+    # the uploader at vLLM's own priority and halfway (the default runs it at nice 19)
+    "kvcloud-file-nice0": ("kvcloud-file", "round-robin", {"upload_nice": 0}),
+    "kvcloud-file-nice10": ("kvcloud-file", "round-robin", {"upload_nice": 10}),
     "kvcloud-sticky": ("kvcloud-file", "sticky", {}),
     "kvcloud-sticky-off": ("kvcloud-file", "sticky", {"write_policy": "off"}),
     # the reference again, last: how far this machine drifted over the run (the setups run
@@ -286,6 +289,29 @@ def summarize(turns: list[Turn], wall: float) -> dict[str, Any]:
     }
 
 
+def cpu_probe_ms() -> list[float]:
+    """How fast each core is right now: median ms of SHA-256 over 64 MiB, per core. On a
+    shared VM the cores' speed drifts over a 40-minute run; the setups run one after
+    another, so each is measured with the speed it ran at, between setups (no server up)."""
+    import hashlib
+
+    data = bytes(64 << 20)
+    keep = os.sched_getaffinity(0)
+    out = []
+    try:
+        for core in sorted(keep)[:2]:
+            os.sched_setaffinity(0, {core})
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                hashlib.sha256(data).digest()
+                times.append(1e3 * (time.perf_counter() - t0))
+            out.append(float(np.median(times)))
+    finally:
+        os.sched_setaffinity(0, keep)
+    return out
+
+
 # -- setups --------------------------------------------------------------------------------
 
 
@@ -430,9 +456,19 @@ class Bench:
             from tests.servers import start_redis
 
             log("starting Ceph RGW and redis-server")
-            self.ceph = start_ceph_rgw(self.work / "ceph", osd_bytes=8 << 30)
-            self.redis = start_redis(self.work / "redis")
+            run = len(list(self.work.glob("ceph-*")))
+            self.ceph = start_ceph_rgw(self.work / f"ceph-{run}", osd_bytes=8 << 30)
+            self.redis = start_redis(self.work / f"redis-{run}")
         return self.ceph, self.redis
+
+    def stop_s3_servers(self) -> None:
+        """Stopped after each S3 setup, so the setups after it run on the same quiet machine as
+        those before (idle, the daemons took 0.6% of a core, measured 2026-12-02; their
+        memory and open files are released too)."""
+        for srv in (self.redis, self.ceph):
+            if srv is not None:
+                srv.stop()
+        self.ceph = self.redis = None
 
     def stored_bytes(self, info: dict[str, Any]) -> int:
         if "dir" in info:
@@ -457,6 +493,7 @@ class Bench:
         return 0
 
     def run_setup(self, setup: str) -> None:
+        probe = cpu_probe_ms()
         servers, info = self.servers_for(setup)
         routing = resolve(setup)[1]
         log(f"{setup}: starting two vLLM servers")
@@ -483,6 +520,7 @@ class Bench:
             )
             res = summarize(turns, wall)
             res["routing"] = routing
+            res["cpu_probe_ms"] = probe
             res["stored_bytes"] = self.stored_bytes(info)
             res["kvcloud"] = _diff_metrics(
                 _sum_metrics([s.metrics() for s in servers]), _sum_metrics(kv_before)
@@ -518,6 +556,8 @@ class Bench:
             for key in ("lmcache", "redis"):
                 if key in info:
                     info[key].stop()
+            if "s3" in info:
+                self.stop_s3_servers()
             # LMCache's shared-memory transfer leaves a segment per stopped vLLM worker
             for seg in Path("/dev/shm").glob("lmcache_kv_*"):
                 seg.unlink(missing_ok=True)
@@ -577,9 +617,7 @@ class Bench:
             for setup in self.args.setups:
                 self.run_setup(setup)
         finally:
-            for srv in (self.redis, self.ceph):
-                if srv is not None:
-                    srv.stop()
+            self.stop_s3_servers()
             shutil.rmtree(self.work, ignore_errors=True)
         self.results["total_s"] = time.perf_counter() - t0
         self.save()
@@ -620,6 +658,28 @@ def paired_extra_ms(ref: dict[str, Any], r: dict[str, Any]) -> float:
         if not t["error"] and t["turn"] > 0 and (t["conv"], t["turn"]) in base
     ]
     return 1e3 * float(np.median(diffs)) if diffs else float("nan")
+
+
+def _machine_drift(setups: dict[str, Any]) -> list[str]:
+    """The machine's speed before each setup, against sticky's: the setups run one after
+    another, and a ratio between two of them holds only as far as the machine stayed put."""
+    ref = setups.get("sticky", {}).get("cpu_probe_ms")
+    rows = [(n, r["cpu_probe_ms"]) for n, r in setups.items() if r.get("cpu_probe_ms")]
+    if not ref or not rows:
+        return []
+    lines = [
+        "",
+        "The machine's speed before each setup (SHA-256 of 64 MiB on each core, ms; "
+        "above 1.00× the setup ran on a slower machine than sticky did):",
+        "",
+        "| setup | core 0 ms | core 1 ms | against sticky |",
+        "|---|---|---|---|",
+    ]
+    for name, probe in rows:
+        ratio = sum(probe) / sum(ref)
+        cores = " | ".join(f"{ms:.0f}" for ms in (probe + probe)[:2])
+        lines.append(f"| {name} | {cores} | {ratio:.2f}× |")
+    return lines
 
 
 def _server_side(setups: dict[str, Any]) -> list[str]:
@@ -666,7 +726,8 @@ def _move_costs(setups: dict[str, Any]) -> list[str]:
             f"{k.get('load_report_us', 0) / loads / 1e3:.1f} | "
             f"{k.get('lookup_deferrals', 0):.0f} | "
             f"{k.get('save_us', 0) / max(1, r['requests']) / 1e3:.1f} | "
-            f"{k.get('chunks_pushed', 0) / max(1, r['requests']):.1f} |"
+            f"{k.get('chunks_pushed', 0) / max(1, r['requests']):.1f} | "
+            f"{k.get('upload_dropped', 0):.0f} |"
         )
     if not rows:
         return []
@@ -677,8 +738,8 @@ def _move_costs(setups: dict[str, Any]) -> list[str]:
         "",
         "| setup | extra TTFT ms | restores | MB each | restore ms | of it writing blocks ms | "
         "waited to be reported ms | lookup deferrals | save copy ms / request | "
-        "chunks pushed / request |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "chunks pushed / request | chunks dropped (queue full) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
 
@@ -919,6 +980,7 @@ def report(res: dict[str, Any]) -> str:
                     f"output tok/s {r['output_tokens_per_s'] / rr['output_tokens_per_s']:.2f}×"
                 )
             lines.append(f"- {name}: " + ", ".join(parts))
+    lines += _machine_drift(setups)
     lines += _server_side(setups)
     lines += _move_costs(setups)
     lines += _write_cost(setups)

@@ -24,6 +24,7 @@ def test_extra_config_wins_over_environment() -> None:
     cfg = VLLMConnectorConfig.load({"chunk_tokens": 128}, env=env)
     assert (cfg.store, cfg.chunk_tokens, cfg.tenant) == ("file:///env", 128, "t")
     assert VLLMConnectorConfig.load({}, env={}).write_policy == "write-through"
+    assert VLLMConnectorConfig.load({}, env={"KVCLOUD_UPLOAD_NICE": "0"}).upload_nice == 0
 
 
 @pytest.mark.parametrize(
@@ -35,6 +36,8 @@ def test_extra_config_wins_over_environment() -> None:
         ({"write_policy": "write-back"}, {}, "write_policy 'write-back'"),
         ({}, {"KVCLOUD_LOAD_TIMEOUT": "soon"}, "KVCLOUD_LOAD_TIMEOUT"),
         ({"load_timeout": -1}, {}, "load_timeout must be a positive number"),
+        ({"upload_nice": 20}, {}, "upload_nice must be an integer 0-19"),
+        ({}, {"KVCLOUD_UPLOAD_NICE": "-5"}, "upload_nice must be an integer 0-19"),
     ],
 )
 def test_bad_settings_are_named(extra: dict, env: dict, message: str) -> None:

@@ -3,6 +3,7 @@ failures counted and survived. Runs against the embedded store and index (real f
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import Counter
 from pathlib import Path
@@ -97,4 +98,34 @@ def test_store_failures_are_counted_and_the_uploader_survives(tmp_path: Path) ->
     assert counts["chunks_pushed"] == 4
     assert kvc.lookup(ns, tokens).tokens == 4 * ns.chunk_tokens
     assert np.asarray(chunks[0][2]).shape[2] == ns.chunk_tokens
+    kvc.close()
+
+
+def test_the_uploader_and_the_threads_it_starts_run_below_the_forward_pass(
+    tmp_path: Path,
+) -> None:
+    kvc, counts, (ns, tokens, _, chunks) = setup(tmp_path)
+    me = threading.get_native_id()
+    mine = os.getpriority(os.PRIO_PROCESS, me)
+    target = min(19, mine + 7)  # (a suite run under nice already cannot go lower than 19)
+    before = {t.native_id for t in threading.enumerate()}
+    seen: dict[int, int] = {}
+    put = kvc.store.put
+
+    def watching_put(key: str, data: object) -> bool:
+        # whichever thread writes an object: the uploader or a pool thread it started
+        tid = threading.get_native_id()
+        seen[tid] = os.getpriority(os.PRIO_PROCESS, tid)
+        return put(key, data)
+
+    kvc.store.put = watching_put  # type: ignore[method-assign]
+    up = Uploader(kvc, ns, 8, counts.update, nice=target)
+    for fp, parent, arr in chunks:
+        assert up.offer("default", fp, parent, arr)
+    up.close()
+    assert counts["chunks_pushed"] == 4 and kvc.lookup(ns, tokens).tokens == len(tokens)
+    assert seen and all(n == target for n in seen.values()), seen
+    assert me not in seen and not before & set(seen)
+    # the caller (vLLM's forward thread) keeps its priority
+    assert os.getpriority(os.PRIO_PROCESS, me) == mine
     kvc.close()

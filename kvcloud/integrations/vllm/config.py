@@ -105,6 +105,13 @@ class VLLMConnectorConfig:
     upload_queue: int = field(default=64, metadata={"env": "KVCLOUD_UPLOAD_QUEUE"})
     """Chunks waiting for upload at most; when full, new ones are dropped and counted."""
 
+    upload_nice: int = field(default=19, metadata={"env": "KVCLOUD_UPLOAD_NICE"})
+    """Nice value (0–19, Linux) of the uploader's threads. A save's hashing, encryption and
+    writing then take the idle time of the cores vLLM runs on instead of a slice of its
+    steps (on a CPU server they share the forward pass's core; on a GPU server, the core
+    that schedules and launches the steps); a chunk waits in the queue meanwhile.
+    0: the uploader runs at vLLM's own priority (docs/VLLM.md has the measurements)."""
+
     min_hit_tokens: int = field(default=0, metadata={"env": "KVCLOUD_MIN_HIT_TOKENS"})
     """A kvcloud hit shorter than this (beyond vLLM's own prefix cache) is not loaded."""
 
@@ -191,6 +198,12 @@ class VLLMConnectorConfig:
             raise ConfigError(f"load_mode {self.load_mode!r}: use one of {', '.join(LOAD_MODES)}")
         if not isinstance(self.save_decode, bool):
             raise ConfigError(f"save_decode must be true or false, got {self.save_decode!r}")
+        if (
+            isinstance(self.upload_nice, bool)
+            or not isinstance(self.upload_nice, int)
+            or not 0 <= self.upload_nice <= 19
+        ):
+            raise ConfigError(f"upload_nice must be an integer 0-19, got {self.upload_nice!r}")
         if not isinstance(self.min_hit_tokens, int) or self.min_hit_tokens < 0:
             raise ConfigError(f"min_hit_tokens must be >= 0, got {self.min_hit_tokens!r}")
 

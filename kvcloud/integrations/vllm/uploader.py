@@ -9,6 +9,7 @@ per tenant, skipping chunks already indexed. numpy only, so it is tested without
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -27,13 +28,36 @@ _BATCH = 16
 _Item = tuple[str, bytes, bytes, np.ndarray, Callable[[], None] | None]
 
 
+def lower_priority(nice: int) -> None:
+    """Run the calling thread, and the threads it starts from now on (the upload client's
+    transfer pool is started lazily by the first push), at ``nice``: on a core the forward
+    pass keeps busy, the kernel then gives a save's hashing, encryption and writing the idle
+    time rather than a slice of a step. Linux keeps a nice value per thread; elsewhere, or
+    without permission, the uploader runs at its process's priority (logged)."""
+    if nice <= 0:
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
+    except (AttributeError, OSError) as exc:
+        log.info("kvcloud uploader: could not lower its priority to nice %d: %s", nice, exc)
+
+
 class Uploader:
     """Bounded background pushes; a full queue drops, a failed push is counted."""
 
-    def __init__(self, client: KVCloud, ns: Namespace, capacity: int, count: Callable[..., None]):
+    def __init__(
+        self,
+        client: KVCloud,
+        ns: Namespace,
+        capacity: int,
+        count: Callable[..., None],
+        nice: int = 0,
+    ):
         self.client = client
         self.ns = ns
         self.count = count
+        self.nice = nice
         self._queue: queue.Queue[_Item | None] = queue.Queue(capacity)
         self._thread = threading.Thread(target=self._run, name="kvcloud-uploader", daemon=True)
         self._thread.start()
@@ -57,6 +81,7 @@ class Uploader:
         return True
 
     def _run(self) -> None:
+        lower_priority(self.nice)
         while True:
             item = self._queue.get()
             if item is None:

@@ -130,7 +130,7 @@ class WorkerSide:
         self._stats_lock = threading.Lock()
         self.upload_client = upload_client
         self.uploader = (
-            Uploader(upload_client or client, ns, cfg.upload_queue, self.count)
+            Uploader(upload_client or client, ns, cfg.upload_queue, self.count, cfg.upload_nice)
             if cfg.write_policy != "off"
             else None
         )
