@@ -234,7 +234,10 @@ async def replay(
     for i in range(len(convs)):
         queue.put_nowait(i)
     turns: list[Turn] = []
-    limits = httpx.Limits(max_connections=4 * concurrency)
+    # a fresh connection per turn: a kept-alive one that the server closes after its idle
+    # timeout (uvicorn: 5 s) just as a turn reuses it ends that turn with a ReadError (a
+    # run of 2026-12-02 died of it); connecting on localhost costs well under a millisecond
+    limits = httpx.Limits(max_connections=4 * concurrency, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
 
         async def worker() -> None:
@@ -347,8 +350,26 @@ class Bench:
             "prefix_repetition": {},
         }
         self.reference: dict[tuple[int, int], str] = {}
+        out = Path(args.out)
+        if args.resume and out.exists():
+            self.resume(json.loads(out.read_text()))
         self.ceph: Any = None
         self.redis: Any = None
+
+    def resume(self, earlier: dict[str, Any]) -> None:
+        """Keep the setups an interrupted run of the same configuration finished (a run is
+        50 minutes; a failure in its last setup should not cost the first ones)."""
+        if earlier.get("config") != self.results["config"]:
+            raise SystemExit(f"--resume: {self.args.out} was run with another configuration")
+        self.results["setups"] = earlier.get("setups", {})
+        self.results["prefix_repetition"] = earlier.get("prefix_repetition", {})
+        self.results["resumed"] = [*earlier.get("resumed", []), time.strftime("%Y-%m-%d %H:%M")]
+        self.reference = {
+            (int(c), int(t)): text for c, t, text in earlier.get("reference_answers", [])
+        }
+        done = [s for s in self.args.setups if s in self.results["setups"]]
+        self.args.setups = [s for s in self.args.setups if s not in self.results["setups"]]
+        log(f"resuming: {len(done)} setups kept, {len(self.args.setups)} to run")
 
     def server_args(self) -> list[str]:
         return ["--block-size", str(self.args.block_size)]
@@ -528,8 +549,14 @@ class Bench:
             res["vllm_timings"] = _diff_metrics(
                 _sum_metrics([s.timings() for s in servers]), _sum_metrics(before)
             )
-            if setup == "sticky":
+            if setup == "sticky" or (not self.reference and resolve(setup)[0] == "sticky"):
+                # (a resumed run whose reference answers were not kept: its first no-connector
+                # sticky setup becomes the reference; the report says which)
                 self.reference = {(t.conv, t.turn): t.text for t in turns if not t.error}
+                self.results["reference_setup"] = setup
+                self.results["reference_answers"] = [
+                    [c, k, text] for (c, k), text in sorted(self.reference.items())
+                ]
             diffs = [
                 (t.conv, t.turn)
                 for t in turns
@@ -838,15 +865,22 @@ def targets(res: dict[str, Any]) -> list[str]:
             f"sticky: {ref['output_tokens_per_s']:.1f}",
         )
         itl = r["itl_p99_ms"] / rr["itl_p99_ms"]
+        itl_sticky = r["itl_p99_ms"] / ref["itl_p99_ms"]
         row(
-            "ITL p99 ≤ 1.15× no connector (round-robin)",
+            "ITL p99 ≤ 1.15× no connector: round-robin; sticky (the same short prefills)",
             name,
-            f"{itl:.2f}× ({_verdict(itl <= 1.15)}); {r['itl_p99_ms']:.0f} against "
-            f"{rr['itl_p99_ms']:.0f} ms",
-            f"sticky (no connector, its prompts' prefixes all cached): "
-            f"{ref['itl_p99_ms'] / rr['itl_p99_ms']:.2f}× round-robin"
+            f"{itl:.2f}× round-robin ({_verdict(itl <= 1.15)}); {itl_sticky:.2f}× sticky "
+            f"({_verdict(itl_sticky <= 1.15)}); {r['itl_p99_ms']:.0f} against "
+            f"{rr['itl_p99_ms']:.0f} and {ref['itl_p99_ms']:.0f} ms",
+            f"no connector, prefixes all cached (sticky): "
+            f"{ref['itl_p99_ms'] / rr['itl_p99_ms']:.2f}× round-robin; "
+            + ", ".join(
+                f"{o} {setups[o]['itl_p99_ms'] / rr['itl_p99_ms']:.2f}×"
+                for o in COMPETITORS
+                if o in setups
+            )
             + (
-                f"; kvcloud-sticky: {still['itl_p99_ms'] / rr['itl_p99_ms']:.2f}×"
+                f", kvcloud-sticky {still['itl_p99_ms'] / rr['itl_p99_ms']:.2f}×"
                 if still is not None
                 else ""
             ),
@@ -1002,6 +1036,13 @@ def report(res: dict[str, Any]) -> str:
     lines += targets(res)
     if "total_s" in res:
         lines += ["", f"Whole run: {res['total_s'] / 60:.1f} min."]
+    if res.get("resumed"):
+        lines += [
+            "",
+            f"Resumed at {', '.join(res['resumed'])} after an interruption; the answers of the "
+            f"setups run since were compared with {res.get('reference_setup', 'sticky')}'s. "
+            "Whole run: the last part.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -1038,6 +1079,11 @@ def main() -> None:
         nargs="*",
         default=["sticky", "kvcloud-file", "kvcloud-s3", "lmcache-fs", "kvcloud-sticky-off", AGAIN],
         help="setups whose first server also runs vllm bench serve's prefix_repetition",
+    )
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the setups already in --out (same configuration) and run the others",
     )
     ap.add_argument("--prefix-len", type=int, default=1024)
     ap.add_argument("--prefix-prompts", type=int, default=32)

@@ -5,8 +5,9 @@ Each server in ``make bench-vllm-load`` is bound to one core; its forward pass, 
 connector's uploader thread (encode, BLAKE3, encrypt, write: ``KVCloud.push_chunks``), share
 it. A forward-like loop (per layer a few small torch ops with Python between them, as a
 decode step) is timed per step on one core: alone, beside the same pushes made by a thread
-of its own process (the connector today: the two share the core and the GIL), and beside the
-same pushes made by another process bound to the same core (they share only the core). The
+of its own process (the two share the core and the GIL), the same thread at nice 10 and 19
+(``upload_nice``: the connector's default is 19), and beside the same pushes made by another
+process bound to the same core (they share only the core). The
 chunks are SmolLM2-135M's shape in fp32 (128 tokens, 5.9 MB), encrypted, to a ``file://``
 store, as in the load bench.
 
