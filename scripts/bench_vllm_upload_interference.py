@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from kvcloud import KVCloud, Namespace
+from kvcloud.integrations.vllm.uploader import lower_priority
 
 LAYERS, HEADS, DIM, BLOCK = 30, 3, 64, 128  # SmolLM2-135M, the bench's block size
 
@@ -41,8 +42,7 @@ def pusher(
 ) -> None:
     """Push fresh chunks back to back until told to stop (or for ``seconds``), at ``nice``."""
     os.sched_setaffinity(0, {core})
-    if nice:  # this thread only (Linux: a thread's nice value is its own)
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    lower_priority(nice)  # as the connector's uploader does: this thread only
     ns = Namespace(
         model="bench", revision="r", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM,
         dtype="float32", chunk_tokens=BLOCK,
@@ -86,22 +86,18 @@ def main() -> None:
 
     results["alone"] = steps_ms(args.seconds)
 
-    stop = threading.Event()
-    th = threading.Thread(target=pusher, args=(work, args.core, stop, 3600.0), daemon=True)
-    th.start()
-    time.sleep(0.5)
-    results["uploader thread, same process"] = steps_ms(args.seconds)
-    stop.set()
-    th.join()
-
-    for nice in (10, 19):
+    for nice, name in (
+        (0, "uploader thread, same process"),
+        (10, "uploader thread at nice 10"),
+        (19, "uploader thread at nice 19"),
+    ):
         stop = threading.Event()
         th = threading.Thread(
             target=pusher, args=(work, args.core, stop, 3600.0, nice), daemon=True
         )
         th.start()
         time.sleep(0.5)
-        results[f"uploader thread at nice {nice}"] = steps_ms(args.seconds)
+        results[name] = steps_ms(args.seconds)
         stop.set()
         th.join()
 
