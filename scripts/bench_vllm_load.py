@@ -592,38 +592,12 @@ class Bench:
 
     def prefix_repetition(self, setup: str, server: VLLMServer) -> None:
         """vLLM's own client on its prefix_repetition dataset, against one server."""
-        a = self.args
-        out = self.work / f"prefix-{setup}.json"
         log(f"{setup}: vllm bench serve, prefix_repetition")
-        argv = [
-            str(VLLM_PYTHON), str(ROOT / "scripts" / "vllm_bench_shim.py"),
-            "--backend", "openai", "--base-url", server.url, "--endpoint", "/v1/completions",
-            "--model", "smollm2", "--tokenizer", str(SMOLLM2),
-            "--dataset-name", "prefix_repetition",
-            "--prefix-repetition-prefix-len", str(a.prefix_len),
-            "--prefix-repetition-suffix-len", "64",
-            "--prefix-repetition-num-prefixes", "4",
-            "--prefix-repetition-output-len", "16",
-            "--num-prompts", str(a.prefix_prompts), "--max-concurrency", str(a.concurrency),
-            "--ignore-eos", "--temperature", "0", "--seed", str(a.seed), "--disable-tqdm",
-            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-            "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
-        ]  # fmt: skip
-        env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1")
-        before = server.metrics()
-        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=1800)
-        if proc.returncode != 0:
-            log(f"{setup}: vllm bench serve failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        keep = prefix_repetition(
+            server, self.args, self.args.seed, self.work / f"prefix-{setup}.json"
+        )
+        if keep is None:
             return
-        data = json.loads(out.read_text())
-        keep = {
-            k: v
-            for k, v in data.items()
-            if k.startswith(("p50_", "p90_", "p99_", "mean_", "median_"))
-            or k in ("request_throughput", "output_throughput", "completed", "duration")
-        }
-        # what the connector did in this phase alone
-        keep["kvcloud"] = _diff_metrics(server.metrics(), before)
         self.results["prefix_repetition"][setup] = keep
         log(
             f"{setup}: prefix_repetition TTFT p50 {keep.get('p50_ttft_ms', 0):.0f} ms p99 "
@@ -650,6 +624,46 @@ class Bench:
         self.save()
         print(report(self.results))
         log(f"done in {self.results['total_s'] / 60:.1f} min")
+
+
+def prefix_repetition(
+    server: VLLMServer, a: argparse.Namespace, seed: int, out: Path, detailed: bool = False
+) -> dict[str, Any] | None:
+    """One ``vllm bench serve`` run of its prefix_repetition dataset (``seed`` draws the
+    prefixes) against ``server``: its percentiles, what the connector did meanwhile, and
+    with ``detailed`` every request's TTFT and ITLs (to pool several runs)."""
+    argv = [
+        str(VLLM_PYTHON), str(ROOT / "scripts" / "vllm_bench_shim.py"),
+        "--backend", "openai", "--base-url", server.url, "--endpoint", "/v1/completions",
+        "--model", "smollm2", "--tokenizer", str(SMOLLM2),
+        "--dataset-name", "prefix_repetition",
+        "--prefix-repetition-prefix-len", str(a.prefix_len),
+        "--prefix-repetition-suffix-len", "64",
+        "--prefix-repetition-num-prefixes", "4",
+        "--prefix-repetition-output-len", "16",
+        "--num-prompts", str(a.prefix_prompts), "--max-concurrency", str(a.concurrency),
+        "--ignore-eos", "--temperature", "0", "--seed", str(seed), "--disable-tqdm",
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+        "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
+        *(["--save-detailed"] if detailed else []),
+    ]  # fmt: skip
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1")
+    before = server.metrics()
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=1800)
+    if proc.returncode != 0:
+        log(f"vllm bench serve failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        return None
+    data = json.loads(out.read_text())
+    keep = {
+        k: v
+        for k, v in data.items()
+        if k.startswith(("p50_", "p90_", "p99_", "mean_", "median_"))
+        or k in ("request_throughput", "output_throughput", "completed", "duration")
+        or (detailed and k in ("ttfts", "itls"))
+    }
+    # what the connector did in this run alone
+    keep["kvcloud"] = _diff_metrics(server.metrics(), before)
+    return keep
 
 
 def _creds(env: dict[str, str]) -> dict[str, str]:

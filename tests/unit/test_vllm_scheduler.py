@@ -438,3 +438,29 @@ def test_a_short_prompt_vllm_holds_still_saves_its_answer(
     assert saved(s.build_connector_meta(step)) == [(0, want_fp, [3, 4])]
     busy.set()
     s.shutdown()
+
+
+def test_a_slow_lookup_counts_its_time_and_the_steps_it_deferred(
+    stored: tuple[KVCloud, list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``lookup_us`` is the time from the request's arrival to the index's answer: what a
+    load benchmark reads to tell a deferred request's cause (a slow index, a starved
+    lookup thread) from its cost."""
+    kvc, tokens = stored
+    real = kvc.lookup_fingerprints
+
+    def slow(*args: object, **kwargs: object) -> object:
+        time.sleep(0.08)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kvc, "lookup_fingerprints", slow)
+    s = side(kvc)  # waits 20 ms at the first ask
+    assert ask(s, request("r0", tokens)) == 4 * C
+    stats = s.take_stats()
+    assert stats["lookups"] == 1 and stats["lookup_deferrals"] >= 1
+    assert 80_000 <= stats["lookup_us"] < 2_000_000, stats["lookup_us"]
+    # a fast one: counted too, far below the slow one
+    monkeypatch.setattr(kvc, "lookup_fingerprints", real)
+    assert ask(s, request("r1", tokens)) == 4 * C
+    assert 0 < s.take_stats()["lookup_us"] < 80_000
+    s.shutdown()

@@ -33,6 +33,7 @@ COUNTERS: dict[str, str] = {
     "lookup_errors": "lookups that failed (index unreachable): served as misses",
     "lookup_timeouts": "lookups given up after lookup_timeout: served as misses",
     "lookup_deferrals": "scheduler steps a new request waited for its lookup (others ran)",
+    "lookup_us": "microseconds lookups took, from the request's arrival to the index's answer",
     "lookups_skipped": "requests not looked up because the index breaker was open",
     "lookups_not_waited": "requests vLLM's own cache served fully: their lookup not waited for",
     "requests_skipped": "requests kvcloud cannot key (prompt embeddings): run without it",

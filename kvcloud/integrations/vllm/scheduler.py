@@ -149,12 +149,20 @@ class SchedulerSide:
             plan = self._plans[rid] = _Plan(tenant, fps, None)
             return plan
         tokens = list(request.prompt_token_ids)
-        future = self._lookups.submit(self._lookup, rid, tenant, tokens)
+        future = self._lookups.submit(self._lookup, rid, tenant, tokens, time.perf_counter_ns())
         self._pending[rid] = _Pending(future, self._clock())
         return None
 
-    def _lookup(self, rid: str, tenant: str, tokens: list[int]) -> _Plan:
+    def _lookup(self, rid: str, tenant: str, tokens: list[int], submitted_ns: int) -> _Plan:
         """On a lookup thread: fingerprints, then one index round trip."""
+        try:
+            return self._lookup_plan(rid, tenant, tokens)
+        finally:
+            # from the request's arrival: a lookup queued behind others, or starved of the
+            # CPU or the GIL by the forward pass, is what defers a request a step
+            self.count(lookup_us=(time.perf_counter_ns() - submitted_ns) // 1000)
+
+    def _lookup_plan(self, rid: str, tenant: str, tokens: list[int]) -> _Plan:
         t0 = time.perf_counter()
         fps = self.client.fingerprints(self.ns, tokens, tenant)
         try:

@@ -1,0 +1,421 @@
+"""vLLM under load, on the same clock: kvcloud moving every turn against the no-connector
+references, interleaved.
+
+The load benchmark (scripts/bench_vllm_load.py) runs its setups one after another for about
+50 minutes, and this shared VM drifts over that time (its no-connector reference, run again at
+the end, was 1.57x slower on 2026-12-02): a 10 % target cannot be judged across it. Here the
+compared setups are up together and take turns on short blocks of conversations:
+
+- four vLLM servers: two without a connector, two with kvcloud (``file://`` + ``sqlite://``),
+  one of each pair per core (only the two of the phase running have work);
+- the conversations (ShareGPT, sampled as the load benchmark does) are cut into blocks of
+  ``--block-conversations``; each block is played three times, in a rotating order: sticky
+  and round-robin on the no-connector pair (its prefix cache reset before each, through
+  vLLM's ``/reset_prefix_cache``), round-robin on the kvcloud pair. Over six blocks every
+  order of the three runs once, so a drift of the machine falls on each setup alike;
+- ``vllm bench serve``'s prefix_repetition, seeded rounds alternating between one
+  no-connector server and one kvcloud server (ABBA), each round with new prefixes.
+
+Reported: each setup pooled over the blocks (TTFT p50/p99, ITL p50/p99, output tokens/s),
+each block's ratios (so their spread is seen), the median over the same turns of kvcloud's
+TTFT minus sticky's, the CPU the idle pair took meanwhile, greedy answers against sticky's.
+
+    python scripts/bench_vllm_load_paired.py --out docs/bench/vllm_load_paired.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scripts.bench_vllm_load import (
+    Bench,
+    Turn,
+    _diff_metrics,
+    _sum_metrics,
+    log,
+    pct,
+    prefix_repetition,
+    replay,
+    summarize,
+)
+from scripts.vllm_fleet import ROOT, VLLMServer
+
+PHASES = ("sticky", "round-robin", "kvcloud-file")
+ORDERS = list(itertools.permutations(PHASES))
+KV = "kvcloud-file"
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by ``pid`` and every process under it."""
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        parents[int(d.name)] = int(fields[1])
+        ticks[int(d.name)] = int(fields[11]) + int(fields[12])
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p and c not in tree]
+        tree.update(kids)
+        frontier.extend(kids)
+    return sum(ticks.get(p, 0) for p in tree) / os.sysconf("SC_CLK_TCK")
+
+
+def servers_cpu_s(servers: list[VLLMServer]) -> float:
+    return sum(tree_cpu_s(s.proc.pid) for s in servers if s.proc is not None)
+
+
+class Paired:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        # the load benchmark's sampling and server setups; its conversations are ours
+        self.bench = Bench(args)
+        per = args.block_conversations
+        self.blocks = [self.bench.convs[i : i + per] for i in range(0, len(self.bench.convs), per)]
+        extra = ("blocks", "block_conversations", "prefix_rounds", "prefix_prompts", "prefix_len")
+        self.results: dict[str, Any] = {
+            "config": {**self.bench.results["config"], **{k: getattr(args, k) for k in extra}},
+            "blocks": [],
+            "prefix_rounds": [],
+        }
+
+    def phase(
+        self, servers: list[VLLMServer], idle: list[VLLMServer], convs: list[list[str]],
+        routing: str, first: int,
+    ) -> tuple[list[Turn], dict[str, Any]]:  # fmt: skip
+        """One replay of ``convs`` on ``servers``; what the connector did and the CPU the
+        idle pair took meanwhile."""
+        a = self.args
+        kv0 = _sum_metrics([s.metrics() for s in servers])
+        t0 = _sum_metrics([s.timings() for s in servers])
+        idle0, c0 = servers_cpu_s(idle), time.perf_counter()
+        turns, wall = asyncio.run(
+            replay([s.url for s in servers], convs, routing, a.concurrency, a.max_tokens)
+        )
+        idle_pct = 100 * (servers_cpu_s(idle) - idle0) / (time.perf_counter() - c0)
+        for t in turns:  # the block's conversation numbers, as the whole sample's
+            t.conv += first
+        res = summarize(turns, wall)
+        res["idle_pair_cpu_pct"] = idle_pct
+        res["kvcloud"] = _diff_metrics(_sum_metrics([s.metrics() for s in servers]), kv0)
+        res["vllm_timings"] = _diff_metrics(_sum_metrics([s.timings() for s in servers]), t0)
+        return turns, res
+
+    def run(self) -> None:
+        a = self.args
+        # /reset_prefix_cache is served in vLLM's dev mode only
+        os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+        plain, _ = self.bench.servers_for("sticky")
+        kv, _ = self.bench.servers_for(KV)
+        everything = [*plain, *kv]
+        t_start = time.perf_counter()
+        pooled: dict[str, list[Turn]] = {p: [] for p in PHASES}
+        walls: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        try:
+            log("starting four vLLM servers (two without a connector, two with kvcloud)")
+            for s in everything:
+                s.start()
+            for s in everything:
+                s.wait_ready(900)
+            for s in everything:  # the first request pays one-off costs
+                httpx.post(
+                    s.url + "/v1/chat/completions",
+                    json={"model": "smollm2", "messages": [{"role": "user", "content": "hi"}],
+                          "max_tokens": 2},
+                    timeout=300,
+                ).raise_for_status()  # fmt: skip
+            first = 0
+            for b, convs in enumerate(self.blocks):
+                order = ORDERS[b % len(ORDERS)]
+                block: dict[str, Any] = {"order": list(order), "phases": {}}
+                for name in order:
+                    # a vLLM that just finished takes about a fifth of a core for some 5 s
+                    # more (measured idle: 21 % in the first 5 s, 1.5 % after), and a
+                    # connector's last uploads finish: the next phase starts on a quiet pair
+                    time.sleep(a.settle)
+                    if name == KV:
+                        servers, idle, routing = kv, plain, "round-robin"
+                    else:
+                        servers, idle, routing = plain, kv, name
+                        for s in plain:  # as if the no-connector servers were fresh
+                            httpx.post(s.url + "/reset_prefix_cache", timeout=60).raise_for_status()
+                    turns, res = self.phase(servers, idle, convs, routing, first)
+                    res["started_s"] = round(time.perf_counter() - t_start - res["wall_s"], 1)
+                    pooled[name] += turns
+                    walls[name] += res["wall_s"]
+                    res["turns"] = [
+                        {k: v for k, v in asdict(t).items() if k not in ("gaps", "text")}
+                        for t in turns
+                    ]
+                    block["phases"][name] = res
+                    log(
+                        f"block {b + 1}/{len(self.blocks)} {name}: {res['requests']} turns in "
+                        f"{res['wall_s']:.0f} s, TTFT p50 {res['ttft_p50_ms']:.0f} ms p99 "
+                        f"{res['ttft_p99_ms']:.0f} ms, ITL p99 {res['itl_p99_ms']:.0f} ms; idle "
+                        f"pair {res['idle_pair_cpu_pct']:.1f} % CPU"
+                    )
+                self.results["blocks"].append(block)
+                first += len(convs)
+                self.finish(pooled, walls)
+            self.prefix_rounds(plain[0], kv[0])
+        finally:
+            for s in everything:
+                s.stop()
+            shutil.rmtree(self.bench.work, ignore_errors=True)
+        self.results["total_s"] = time.perf_counter() - t_start
+        self.finish(pooled, walls)
+        print(report(self.results))
+        log(f"done in {self.results['total_s'] / 60:.1f} min")
+
+    def prefix_rounds(self, plain: VLLMServer, kv: VLLMServer) -> None:
+        """prefix_repetition, ABBA: round r runs seed + r on both servers, the first of
+        them alternating; each round's prefixes are new to both."""
+        a = self.args
+        work = self.bench.work
+        for r in range(a.prefix_rounds):
+            pair = [("sticky", plain), (KV, kv)]
+            if r % 2:
+                pair.reverse()
+            rnd: dict[str, Any] = {"seed": a.seed + r, "order": [n for n, _ in pair]}
+            for name, server in pair:
+                time.sleep(a.settle)
+                keep = prefix_repetition(
+                    server, a, a.seed + r, work / f"prefix-{name}-{r}.json", detailed=True
+                )
+                if keep is None:
+                    raise SystemExit(f"vllm bench serve failed on {name}, round {r}")
+                rnd[name] = keep
+                log(
+                    f"prefix_repetition round {r + 1}/{a.prefix_rounds} {name}: TTFT p50 "
+                    f"{keep['p50_ttft_ms']:.0f} ms p99 {keep['p99_ttft_ms']:.0f} ms"
+                )
+            self.results["prefix_rounds"].append(rnd)
+            self.save()
+
+    def finish(self, pooled: dict[str, list[Turn]], walls: dict[str, float]) -> None:
+        """Pooled figures per setup and the answers against sticky's."""
+        ref = {(t.conv, t.turn): t.text for t in pooled["sticky"] if not t.error}
+        out: dict[str, Any] = {}
+        for name, turns in pooled.items():
+            if not turns:
+                continue
+            res = summarize(turns, walls[name])
+            res["answers_compared"] = sum((t.conv, t.turn) in ref for t in turns)
+            res["answers_differing"] = sum(
+                (t.conv, t.turn) in ref and ref[(t.conv, t.turn)] != t.text for t in turns
+            )
+            out[name] = res
+        self.results["pooled"] = out
+        self.save()
+
+    def save(self) -> None:
+        out = Path(self.args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(self.results, indent=1, default=str) + "\n")
+        out.with_suffix(".md").write_text(report(self.results))
+
+
+# -- report --------------------------------------------------------------------------------
+
+
+def _turn_extra_ms(blocks: list[dict[str, Any]], name: str, ref: str) -> list[float]:
+    """TTFT of ``name`` minus ``ref``'s on the same turn (turns after the first), ms."""
+    diffs = []
+    for b in blocks:
+        p = b["phases"]
+        if name not in p or ref not in p:
+            continue
+        base = {(t["conv"], t["turn"]): t["ttft"] for t in p[ref]["turns"] if not t["error"]}
+        diffs += [
+            1e3 * (t["ttft"] - base[(t["conv"], t["turn"])])
+            for t in p[name]["turns"]
+            if not t["error"] and t["turn"] > 0 and (t["conv"], t["turn"]) in base
+        ]
+    return diffs
+
+
+def _pooled_prefix(rounds: list[dict[str, Any]], name: str) -> dict[str, float]:
+    ttfts = [1e3 * x for r in rounds if name in r for x in r[name].get("ttfts", [])]
+    itls = [1e3 * x for r in rounds if name in r for i in r[name].get("itls", []) for x in i]
+    return {
+        **{f"ttft_p{q}_ms": pct(ttfts, q) for q in (50, 90, 99)},
+        **{f"itl_p{q}_ms": pct(itls, q) for q in (50, 90, 99)},
+        "requests": len(ttfts),
+    }
+
+
+def report(res: dict[str, Any]) -> str:
+    c = res["config"]
+    lines = [
+        f"# vLLM under load, paired: {len(res['blocks'])} blocks of {c['block_conversations']} "
+        f"ShareGPT conversations ({c['turns']} turns, messages cut at {c['max_chars']} "
+        f"characters, {c['max_tokens']}-token answers, {c['concurrency']} at a time)",
+        "",
+        "Every setup played every block, the three in a rotating order, the servers of all "
+        "setups up together (scripts/bench_vllm_load_paired.py).",
+        "",
+    ]
+    pooled = res.get("pooled", {})
+    if pooled:
+        lines += [
+            "| setup | turns | output tok/s | TTFT p50 ms | TTFT p99 ms | later turns p50 ms | "
+            "ITL p50 ms | ITL p99 ms | cached / prompt tokens | answers ≠ sticky |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name, r in pooled.items():
+            lines.append(
+                f"| {name} | {r['requests']} | {r['output_tokens_per_s']:.1f} | "
+                f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
+                f"{r['ttft_later_p50_ms']:.0f} | {r['itl_p50_ms']:.0f} | "
+                f"{r['itl_p99_ms']:.0f} | {r['cached_tokens']}/{r['prompt_tokens']} | "
+                f"{r['answers_differing']} of {r['answers_compared']} |"
+            )
+    blocks = res["blocks"]
+    if blocks:
+        lines += [
+            "",
+            "Each block (in the order run; ratios kvcloud / the no-connector setup of the "
+            "same block; the idle pair's CPU is the most either idle pair took in the block):",
+            "",
+            "| block | order | sticky TTFT p50 ms | kvcloud/sticky p50 | p99 | "
+            "round-robin/kvcloud p50 | kvcloud/sticky ITL p99 | kvcloud/round-robin ITL p99 "
+            "| kvcloud/sticky output tok/s | idle pair CPU % |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for i, b in enumerate(blocks):
+            p = b["phases"]
+            if len(p) < len(PHASES):
+                continue
+            s, rr, k = p["sticky"], p["round-robin"], p[KV]
+            idle = max(x["idle_pair_cpu_pct"] for x in p.values())
+            lines.append(
+                f"| {i + 1} | {' → '.join(b['order'])} | {s['ttft_p50_ms']:.0f} | "
+                f"{k['ttft_p50_ms'] / s['ttft_p50_ms']:.2f} | "
+                f"{k['ttft_p99_ms'] / s['ttft_p99_ms']:.2f} | "
+                f"{rr['ttft_p50_ms'] / k['ttft_p50_ms']:.2f} | "
+                f"{k['itl_p99_ms'] / s['itl_p99_ms']:.2f} | "
+                f"{k['itl_p99_ms'] / rr['itl_p99_ms']:.2f} | "
+                f"{k['output_tokens_per_s'] / s['output_tokens_per_s']:.2f} | {idle:.1f} |"
+            )
+        for ref in ("sticky", "round-robin"):
+            d = _turn_extra_ms(blocks, KV, ref)
+            if d:
+                q1, q3 = np.percentile(d, [25, 75])
+                lines.append(
+                    f"\nkvcloud's TTFT minus {ref}'s on the same turn (turns after the first, "
+                    f"{len(d)} pairs): median {np.median(d):+.0f} ms, quartiles "
+                    f"{q1:+.0f} / {q3:+.0f} ms."
+                )
+    if pooled.get("sticky") and pooled.get(KV) and pooled.get("round-robin"):
+        s, rr, k = pooled["sticky"], pooled["round-robin"], pooled[KV]
+
+        def verdict(ok: bool) -> str:
+            return "met" if ok else "**not met**"
+
+        p50, p99 = k["ttft_p50_ms"] / s["ttft_p50_ms"], k["ttft_p99_ms"] / s["ttft_p99_ms"]
+        better = rr["ttft_p50_ms"] / k["ttft_p50_ms"]
+        itl = k["itl_p99_ms"] / max(s["itl_p99_ms"], rr["itl_p99_ms"])
+        out = k["output_tokens_per_s"] / max(s["output_tokens_per_s"], rr["output_tokens_per_s"])
+        lines += [
+            "",
+            "Issue 22's targets on the pooled figures:",
+            "",
+            "| target | measured | verdict |",
+            "|---|---|---|",
+            f"| TTFT p50 ≤ 1.1× sticky | {p50:.2f}× | {verdict(p50 <= 1.1)} |",
+            f"| TTFT p99 ≤ 1.3× sticky | {p99:.2f}× | {verdict(p99 <= 1.3)} |",
+            f"| ≥ 2× better than round-robin (TTFT p50) | {better:.2f}× | {verdict(better >= 2)} |",
+            f"| ITL p99 ≤ 1.15× no connector (the worse of sticky and round-robin) | "
+            f"{itl:.2f}× | {verdict(itl <= 1.15)} |",
+            f"| output tok/s ≥ no connector (the better of the two) | {out:.2f}× | "
+            f"{verdict(out >= 1.0)} |",
+            f"| zero wrong answers | {k['answers_differing']} of {k['answers_compared']} | "
+            f"{verdict(k['answers_differing'] == 0)} |",
+        ]
+    rounds = res.get("prefix_rounds") or []
+    if rounds:
+        lines += [
+            "",
+            f"prefix_repetition (vllm bench serve, {len(rounds)} rounds of "
+            f"{c['prefix_prompts']} prompts, 4 prefixes of {c['prefix_len']} tokens; the "
+            "first server of each round alternates), pooled over the rounds:",
+            "",
+            "| server | requests | TTFT p50 ms | p90 | p99 | ITL p50 ms | p90 | p99 |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        both = {n: _pooled_prefix(rounds, n) for n in ("sticky", KV)}
+        for name, r in both.items():
+            label = "no connector" if name == "sticky" else "kvcloud-file"
+            lines.append(
+                f"| {label} | {r['requests']} | {r['ttft_p50_ms']:.0f} | "
+                f"{r['ttft_p90_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.0f} | "
+                f"{r['itl_p90_ms']:.0f} | {r['itl_p99_ms']:.0f} |"
+            )
+        ratios = [
+            f"{both[KV][f'ttft_p{q}_ms'] / both['sticky'][f'ttft_p{q}_ms']:.2f}×"
+            for q in (50, 90, 99)
+        ]
+        per_round = [
+            f"{r[KV]['p50_ttft_ms'] / r['sticky']['p50_ttft_ms']:.2f}"
+            for r in rounds
+            if KV in r and "sticky" in r
+        ]
+        lines += [
+            "",
+            f"kvcloud / no connector, TTFT p50/p90/p99: {' / '.join(ratios)}; each round's "
+            f"p50 ratio: {', '.join(per_round)}.",
+        ]
+    if "total_s" in res:
+        lines.append(f"\nRun took {res['total_s'] / 60:.1f} min.")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "vllm_load_paired.json"))
+    ap.add_argument("--blocks", type=int, default=6, help="6: every order of the three once")
+    ap.add_argument("--block-conversations", type=int, default=3)
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--max-chars", type=int, default=3000)
+    ap.add_argument("--min-chars", type=int, default=5000)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--chunk-tokens", type=int, default=128)
+    ap.add_argument("--settle", type=float, default=6.0, help="seconds idle before each phase")
+    ap.add_argument("--prefix-rounds", type=int, default=4)
+    ap.add_argument("--prefix-len", type=int, default=1024)
+    ap.add_argument("--prefix-prompts", type=int, default=32)
+    args = ap.parse_args()
+    args.conversations = args.blocks * args.block_conversations
+    args.resume = False
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    Paired(args).run()
+
+
+if __name__ == "__main__":
+    main()
