@@ -157,6 +157,11 @@ def sample_conversations(
             cut = [u[:max_chars] for u in users[:turns]]
             if all(u.strip() for u in cut) and sum(map(len, cut)) >= min_chars:
                 pool.append(cut)
+    if len(pool) < n:
+        raise SystemExit(
+            f"only {len(pool)} ShareGPT conversations have {turns} user turns holding "
+            f"{min_chars}+ characters (cut at {max_chars}); {n} asked: lower --turns or --min-chars"
+        )
     rng = random.Random(seed)
     return rng.sample(pool, n)
 
