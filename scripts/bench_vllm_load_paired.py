@@ -6,15 +6,18 @@ The load benchmark (scripts/bench_vllm_load.py) runs its setups one after anothe
 the end, was 1.57x slower on 2026-12-02): a 10 % target cannot be judged across it. Here the
 compared setups are up together and take turns on short blocks of conversations:
 
-- four vLLM servers: two without a connector, two with kvcloud (``file://`` + ``sqlite://``),
-  one of each pair per core (only the two of the phase running have work);
+- two vLLM servers without a connector and two per kvcloud setup (``--kv-setups``, by
+  default ``kvcloud-file``; the Makefile adds ``kvcloud-file-sync``), one of each pair per
+  core (only the two of the phase running have work);
 - the conversations (ShareGPT, sampled as the load benchmark does) are cut into blocks of
-  ``--block-conversations``; each block is played three times, in a rotating order: sticky
-  and round-robin on the no-connector pair (its prefix cache reset before each, through
-  vLLM's ``/reset_prefix_cache``), round-robin on the kvcloud pair. Over six blocks every
-  order of the three runs once, so a drift of the machine falls on each setup alike;
+  ``--block-conversations``; each block is played once per setup, in a rotating order:
+  sticky and round-robin on the no-connector pair (its prefix cache reset before each,
+  through vLLM's ``/reset_prefix_cache``), round-robin on each kvcloud pair. The orders
+  form a Williams design (every setup in every position, each following each other alike),
+  so a drift of the machine falls on each setup alike;
 - ``vllm bench serve``'s prefix_repetition, seeded rounds alternating between one
-  no-connector server and one kvcloud server (ABBA), each round with new prefixes.
+  no-connector server and one server of the first kvcloud setup (ABBA), each round with
+  new prefixes.
 
 Reported: each setup pooled over the blocks (TTFT p50/p99, ITL p50/p99, output tokens/s),
 each block's ratios (so their spread is seen), the median over the same turns of kvcloud's
@@ -27,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import os
 import shutil
@@ -52,13 +54,31 @@ from scripts.bench_vllm_load import (
     pct,
     prefix_repetition,
     replay,
+    resolve,
     summarize,
 )
 from scripts.vllm_fleet import ROOT, VLLMServer
 
-PHASES = ("sticky", "round-robin", "kvcloud-file")
-ORDERS = list(itertools.permutations(PHASES))
+REFS = ("sticky", "round-robin")
 KV = "kvcloud-file"
+
+
+def orders(phases: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """Orders in which every phase runs once per block and, over the list, each phase
+    precedes each other alike (a Williams design: n orders for even n, 2n for odd; for
+    three phases that is all six)."""
+    n = len(phases)
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(x + i) % n for x in first] for i in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [tuple(phases[x] for x in row) for row in rows]
 
 
 def tree_cpu_s(pid: int) -> float:
@@ -95,7 +115,10 @@ class Paired:
         self.bench = Bench(args)
         per = args.block_conversations
         self.blocks = [self.bench.convs[i : i + per] for i in range(0, len(self.bench.convs), per)]
-        extra = ("blocks", "block_conversations", "prefix_rounds", "prefix_prompts", "prefix_len")
+        extra = (
+            "blocks", "block_conversations", "kv_setups", "prefix_rounds", "prefix_prompts",
+            "prefix_len",
+        )  # fmt: skip
         self.results: dict[str, Any] = {
             "config": {**self.bench.results["config"], **{k: getattr(args, k) for k in extra}},
             "blocks": [],
@@ -129,13 +152,15 @@ class Paired:
         # /reset_prefix_cache is served in vLLM's dev mode only
         os.environ["VLLM_SERVER_DEV_MODE"] = "1"
         plain, _ = self.bench.servers_for("sticky")
-        kv, _ = self.bench.servers_for(KV)
-        everything = [*plain, *kv]
+        kvs = {name: self.bench.servers_for(name)[0] for name in a.kv_setups}
+        everything = [*plain, *(s for pair in kvs.values() for s in pair)]
+        phases = (*REFS, *a.kv_setups)
+        plan = orders(phases)
         t_start = time.perf_counter()
-        pooled: dict[str, list[Turn]] = {p: [] for p in PHASES}
-        walls: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        pooled: dict[str, list[Turn]] = {p: [] for p in phases}
+        walls: dict[str, float] = dict.fromkeys(phases, 0.0)
         try:
-            log("starting four vLLM servers (two without a connector, two with kvcloud)")
+            log(f"starting {len(everything)} vLLM servers (no connector, then kvcloud's)")
             for s in everything:
                 s.start()
             for s in everything:
@@ -149,17 +174,19 @@ class Paired:
                 ).raise_for_status()  # fmt: skip
             first = 0
             for b, convs in enumerate(self.blocks):
-                order = ORDERS[b % len(ORDERS)]
+                order = plan[b % len(plan)]
                 block: dict[str, Any] = {"order": list(order), "phases": {}}
                 for name in order:
                     # a vLLM that just finished takes about a fifth of a core for some 5 s
                     # more (measured idle: 21 % in the first 5 s, 1.5 % after), and a
                     # connector's last uploads finish: the next phase starts on a quiet pair
                     time.sleep(a.settle)
-                    if name == KV:
-                        servers, idle, routing = kv, plain, "round-robin"
+                    if name in kvs:
+                        servers, routing = kvs[name], "round-robin"
                     else:
-                        servers, idle, routing = plain, kv, name
+                        servers, routing = plain, name
+                    idle = [s for s in everything if s not in servers]
+                    if name in REFS:
                         for s in plain:  # as if the no-connector servers were fresh
                             httpx.post(s.url + "/reset_prefix_cache", timeout=60).raise_for_status()
                     turns, res = self.phase(servers, idle, convs, routing, first)
@@ -180,7 +207,7 @@ class Paired:
                 self.results["blocks"].append(block)
                 first += len(convs)
                 self.finish(pooled, walls)
-            self.prefix_rounds(plain[0], kv[0])
+            self.prefix_rounds(plain[0], kvs[a.kv_setups[0]][0], a.kv_setups[0])
         finally:
             for s in everything:
                 s.stop()
@@ -190,13 +217,13 @@ class Paired:
         print(report(self.results))
         log(f"done in {self.results['total_s'] / 60:.1f} min")
 
-    def prefix_rounds(self, plain: VLLMServer, kv: VLLMServer) -> None:
+    def prefix_rounds(self, plain: VLLMServer, kv: VLLMServer, kv_name: str) -> None:
         """prefix_repetition, ABBA: round r runs seed + r on both servers, the first of
         them alternating; each round's prefixes are new to both."""
         a = self.args
         work = self.bench.work
         for r in range(a.prefix_rounds):
-            pair = [("sticky", plain), (KV, kv)]
+            pair = [("sticky", plain), (kv_name, kv)]
             if r % 2:
                 pair.reverse()
             rnd: dict[str, Any] = {"seed": a.seed + r, "order": [n for n, _ in pair]}
@@ -257,11 +284,12 @@ def _turn_extra_ms(blocks: list[dict[str, Any]], name: str, ref: str) -> list[fl
     return diffs
 
 
-def _kvcloud_costs(blocks: list[dict[str, Any]]) -> dict[str, str]:
-    """The connector's counters summed over kvcloud's phases, per restore and per lookup."""
+def _kvcloud_costs(blocks: list[dict[str, Any]], name: str) -> dict[str, str]:
+    """The connector's counters summed over a kvcloud setup's phases, per restore and per
+    lookup."""
     c: dict[str, float] = {}
     for b in blocks:
-        for k, v in b["phases"].get(KV, {}).get("kvcloud", {}).items():
+        for k, v in b["phases"].get(name, {}).get("kvcloud", {}).items():
             c[k] = c.get(k, 0) + v
     if not c.get("lookups"):
         return {}
@@ -292,13 +320,14 @@ def _pooled_prefix(rounds: list[dict[str, Any]], name: str) -> dict[str, float]:
 
 def report(res: dict[str, Any]) -> str:
     c = res["config"]
+    kv_setups = c.get("kv_setups") or [KV]
     lines = [
         f"# vLLM under load, paired: {len(res['blocks'])} blocks of {c['block_conversations']} "
         f"ShareGPT conversations ({c['turns']} turns, messages cut at {c['max_chars']} "
         f"characters, {c['max_tokens']}-token answers, {c['concurrency']} at a time)",
         "",
-        "Every setup played every block, the three in a rotating order, the servers of all "
-        "setups up together (scripts/bench_vllm_load_paired.py).",
+        "Every setup played every block, in a rotating order, the servers of all setups up "
+        "together (scripts/bench_vllm_load_paired.py).",
         "",
     ]
     pooled = res.get("pooled", {})
@@ -321,72 +350,87 @@ def report(res: dict[str, Any]) -> str:
         lines += [
             "",
             "Each block (in the order run; ratios kvcloud / the no-connector setup of the "
-            "same block; the idle pair's CPU is the most either idle pair took in the block):",
+            "same block; the idle servers' CPU is the most they took in any phase of the block):",
             "",
-            "| block | order | sticky TTFT p50 ms | kvcloud/sticky p50 | p99 | "
+            "| block | order | setup | sticky TTFT p50 ms | kvcloud/sticky p50 | p99 | "
             "round-robin/kvcloud p50 | kvcloud/sticky ITL p99 | kvcloud/round-robin ITL p99 "
-            "| kvcloud/sticky output tok/s | idle pair CPU % |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| kvcloud/sticky output tok/s | idle servers CPU % |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for i, b in enumerate(blocks):
             p = b["phases"]
-            if len(p) < len(PHASES):
+            if any(n not in p for n in (*REFS, *kv_setups)):
                 continue
-            s, rr, k = p["sticky"], p["round-robin"], p[KV]
+            s, rr = p["sticky"], p["round-robin"]
             idle = max(x["idle_pair_cpu_pct"] for x in p.values())
-            lines.append(
-                f"| {i + 1} | {' → '.join(b['order'])} | {s['ttft_p50_ms']:.0f} | "
-                f"{k['ttft_p50_ms'] / s['ttft_p50_ms']:.2f} | "
-                f"{k['ttft_p99_ms'] / s['ttft_p99_ms']:.2f} | "
-                f"{rr['ttft_p50_ms'] / k['ttft_p50_ms']:.2f} | "
-                f"{k['itl_p99_ms'] / s['itl_p99_ms']:.2f} | "
-                f"{k['itl_p99_ms'] / rr['itl_p99_ms']:.2f} | "
-                f"{k['output_tokens_per_s'] / s['output_tokens_per_s']:.2f} | {idle:.1f} |"
-            )
-        for ref in ("sticky", "round-robin"):
-            d = _turn_extra_ms(blocks, KV, ref)
-            if d:
-                q1, q3 = np.percentile(d, [25, 75])
+            for name in kv_setups:
+                k = p[name]
                 lines.append(
-                    f"\nkvcloud's TTFT minus {ref}'s on the same turn (turns after the first, "
-                    f"{len(d)} pairs): median {np.median(d):+.0f} ms, quartiles "
-                    f"{q1:+.0f} / {q3:+.0f} ms."
+                    f"| {i + 1} | {' → '.join(b['order'])} | {name} | {s['ttft_p50_ms']:.0f} | "
+                    f"{k['ttft_p50_ms'] / s['ttft_p50_ms']:.2f} | "
+                    f"{k['ttft_p99_ms'] / s['ttft_p99_ms']:.2f} | "
+                    f"{rr['ttft_p50_ms'] / k['ttft_p50_ms']:.2f} | "
+                    f"{k['itl_p99_ms'] / s['itl_p99_ms']:.2f} | "
+                    f"{k['itl_p99_ms'] / rr['itl_p99_ms']:.2f} | "
+                    f"{k['output_tokens_per_s'] / s['output_tokens_per_s']:.2f} | {idle:.1f} |"
                 )
-    costs = _kvcloud_costs(blocks)
-    if costs:
-        lines.append(
-            "\nWhat kvcloud's connector did, over its phases: "
-            + "; ".join(f"{k} {v}" for k, v in costs.items())
-            + "."
-        )
-    if pooled.get("sticky") and pooled.get(KV) and pooled.get("round-robin"):
-        s, rr, k = pooled["sticky"], pooled["round-robin"], pooled[KV]
+        for name in kv_setups:
+            for ref in REFS:
+                d = _turn_extra_ms(blocks, name, ref)
+                if d:
+                    q1, q3 = np.percentile(d, [25, 75])
+                    lines.append(
+                        f"\n{name}'s TTFT minus {ref}'s on the same turn (turns after the "
+                        f"first, {len(d)} pairs): median {np.median(d):+.0f} ms, quartiles "
+                        f"{q1:+.0f} / {q3:+.0f} ms."
+                    )
+            costs = _kvcloud_costs(blocks, name)
+            if costs:
+                lines.append(
+                    f"\nWhat {name}'s connector did, over its phases: "
+                    + "; ".join(f"{k} {v}" for k, v in costs.items())
+                    + "."
+                )
 
-        def verdict(ok: bool) -> str:
-            return "met" if ok else "**not met**"
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "**not met**"
 
-        p50, p99 = k["ttft_p50_ms"] / s["ttft_p50_ms"], k["ttft_p99_ms"] / s["ttft_p99_ms"]
-        better = rr["ttft_p50_ms"] / k["ttft_p50_ms"]
-        itl = k["itl_p99_ms"] / max(s["itl_p99_ms"], rr["itl_p99_ms"])
-        out = k["output_tokens_per_s"] / max(s["output_tokens_per_s"], rr["output_tokens_per_s"])
+    if pooled.get("sticky") and pooled.get("round-robin"):
+        s, rr = pooled["sticky"], pooled["round-robin"]
+        rows = []
+        for name in kv_setups:
+            k = pooled.get(name)
+            if not k:
+                continue
+            p50, p99 = k["ttft_p50_ms"] / s["ttft_p50_ms"], k["ttft_p99_ms"] / s["ttft_p99_ms"]
+            better = rr["ttft_p50_ms"] / k["ttft_p50_ms"]
+            itl = k["itl_p99_ms"] / max(s["itl_p99_ms"], rr["itl_p99_ms"])
+            out = k["output_tokens_per_s"] / max(
+                s["output_tokens_per_s"], rr["output_tokens_per_s"]
+            )
+            rows += [
+                f"| {name} | TTFT p50 ≤ 1.1× sticky | {p50:.2f}× | {verdict(p50 <= 1.1)} |",
+                f"| {name} | TTFT p99 ≤ 1.3× sticky | {p99:.2f}× | {verdict(p99 <= 1.3)} |",
+                f"| {name} | ≥ 2× better than round-robin (TTFT p50) | {better:.2f}× | "
+                f"{verdict(better >= 2)} |",
+                f"| {name} | ITL p99 ≤ 1.15× no connector (the worse of sticky and "
+                f"round-robin) | {itl:.2f}× | {verdict(itl <= 1.15)} |",
+                f"| {name} | output tok/s ≥ no connector (the better of the two) | "
+                f"{out:.2f}× | {verdict(out >= 1.0)} |",
+                f"| {name} | zero wrong answers | {k['answers_differing']} of "
+                f"{k['answers_compared']} | {verdict(k['answers_differing'] == 0)} |",
+            ]
         lines += [
             "",
             "Issue 22's targets on the pooled figures:",
             "",
-            "| target | measured | verdict |",
-            "|---|---|---|",
-            f"| TTFT p50 ≤ 1.1× sticky | {p50:.2f}× | {verdict(p50 <= 1.1)} |",
-            f"| TTFT p99 ≤ 1.3× sticky | {p99:.2f}× | {verdict(p99 <= 1.3)} |",
-            f"| ≥ 2× better than round-robin (TTFT p50) | {better:.2f}× | {verdict(better >= 2)} |",
-            f"| ITL p99 ≤ 1.15× no connector (the worse of sticky and round-robin) | "
-            f"{itl:.2f}× | {verdict(itl <= 1.15)} |",
-            f"| output tok/s ≥ no connector (the better of the two) | {out:.2f}× | "
-            f"{verdict(out >= 1.0)} |",
-            f"| zero wrong answers | {k['answers_differing']} of {k['answers_compared']} | "
-            f"{verdict(k['answers_differing'] == 0)} |",
+            "| setup | target | measured | verdict |",
+            "|---|---|---|---|",
+            *rows,
         ]
     rounds = res.get("prefix_rounds") or []
     if rounds:
+        kv_name = next((n for n in rounds[0] if n not in ("seed", "order", "sticky")), KV)
         lines += [
             "",
             f"prefix_repetition (vllm bench serve, {len(rounds)} rounds of "
@@ -396,26 +440,26 @@ def report(res: dict[str, Any]) -> str:
             "| server | requests | TTFT p50 ms | p90 | p99 | ITL p50 ms | p90 | p99 |",
             "|---|---|---|---|---|---|---|---|",
         ]
-        both = {n: _pooled_prefix(rounds, n) for n in ("sticky", KV)}
+        both = {n: _pooled_prefix(rounds, n) for n in ("sticky", kv_name)}
         for name, r in both.items():
-            label = "no connector" if name == "sticky" else "kvcloud-file"
+            label = "no connector" if name == "sticky" else name
             lines.append(
                 f"| {label} | {r['requests']} | {r['ttft_p50_ms']:.0f} | "
                 f"{r['ttft_p90_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.0f} | "
                 f"{r['itl_p90_ms']:.0f} | {r['itl_p99_ms']:.0f} |"
             )
         ratios = [
-            f"{both[KV][f'ttft_p{q}_ms'] / both['sticky'][f'ttft_p{q}_ms']:.2f}×"
+            f"{both[kv_name][f'ttft_p{q}_ms'] / both['sticky'][f'ttft_p{q}_ms']:.2f}×"
             for q in (50, 90, 99)
         ]
         per_round = [
-            f"{r[KV]['p50_ttft_ms'] / r['sticky']['p50_ttft_ms']:.2f}"
+            f"{r[kv_name]['p50_ttft_ms'] / r['sticky']['p50_ttft_ms']:.2f}"
             for r in rounds
-            if KV in r and "sticky" in r
+            if kv_name in r and "sticky" in r
         ]
         lines += [
             "",
-            f"kvcloud / no connector, TTFT p50/p90/p99: {' / '.join(ratios)}; each round's "
+            f"{kv_name} / no connector, TTFT p50/p90/p99: {' / '.join(ratios)}; each round's "
             f"p50 ratio: {', '.join(per_round)}.",
         ]
     if "total_s" in res:
@@ -426,7 +470,20 @@ def report(res: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "vllm_load_paired.json"))
-    ap.add_argument("--blocks", type=int, default=6, help="6: every order of the three once")
+    ap.add_argument(
+        "--kv-setups",
+        default=KV,
+        help="kvcloud setups of the load benchmark, comma-separated (e.g. kvcloud-file,"
+        "kvcloud-file-sync), each on a pair of servers of its own; the first also runs "
+        "prefix_repetition",
+    )
+    ap.add_argument(
+        "--blocks",
+        type=int,
+        default=0,
+        help="blocks of conversations (default: the orders of a Williams design, doubled when "
+        "it has fewer than 6: 6 for three setups, 8 for four)",
+    )
     ap.add_argument("--block-conversations", type=int, default=3)
     # 18 conversations: the sequential run's 10 turns of 5,000+ characters has only 10 in
     # the pool; 8 turns of 4,000+ has 33 (median 4,968 characters, histories ~2,000 tokens)
@@ -443,6 +500,13 @@ def main() -> None:
     ap.add_argument("--prefix-len", type=int, default=1024)
     ap.add_argument("--prefix-prompts", type=int, default=32)
     args = ap.parse_args()
+    args.kv_setups = [x.strip() for x in args.kv_setups.split(",") if x.strip()]
+    for name in args.kv_setups:
+        if not name.startswith("kvcloud") or resolve(name)[1] != "round-robin":
+            raise SystemExit(f"{name}: not a round-robin kvcloud setup of the load benchmark")
+    if not args.blocks:
+        n = len(orders((*REFS, *args.kv_setups)))
+        args.blocks = n if n >= 6 else 2 * n
     args.conversations = args.blocks * args.block_conversations
     args.resume = False
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
