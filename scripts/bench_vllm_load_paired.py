@@ -12,9 +12,10 @@ compared setups are up together and take turns on short blocks of conversations:
 - the conversations (ShareGPT, sampled as the load benchmark does) are cut into blocks of
   ``--block-conversations``; each block is played once per setup, in a rotating order:
   sticky and round-robin on the no-connector pair (its prefix cache reset before each,
-  through vLLM's ``/reset_prefix_cache``), round-robin on each kvcloud pair. The orders
-  form a Williams design (every setup in every position, each following each other alike),
-  so a drift of the machine falls on each setup alike;
+  through vLLM's ``/reset_prefix_cache``), each kvcloud pair with its setup's routing
+  (round-robin, but for ``kvcloud-sticky``). The orders form a Williams design (every setup
+  in every position, each following each other alike), so a drift of the machine falls on
+  each setup alike;
 - ``vllm bench serve``'s prefix_repetition, seeded rounds alternating between one
   no-connector server and one server of the first kvcloud setup (ABBA), each round with
   new prefixes.
@@ -182,7 +183,7 @@ class Paired:
                     # connector's last uploads finish: the next phase starts on a quiet pair
                     time.sleep(a.settle)
                     if name in kvs:
-                        servers, routing = kvs[name], "round-robin"
+                        servers, routing = kvs[name], resolve(name)[1]
                     else:
                         servers, routing = plain, name
                     idle = [s for s in everything if s not in servers]
@@ -474,8 +475,9 @@ def main() -> None:
         "--kv-setups",
         default=KV,
         help="kvcloud setups of the load benchmark, comma-separated (e.g. kvcloud-file,"
-        "kvcloud-file-sync), each on a pair of servers of its own; the first also runs "
-        "prefix_repetition",
+        "kvcloud-file-sync; kvcloud-sticky keeps each conversation on one server: the "
+        "connector on, nothing moving), each on a pair of servers of its own; the first "
+        "also runs prefix_repetition",
     )
     ap.add_argument(
         "--blocks",
@@ -502,8 +504,8 @@ def main() -> None:
     args = ap.parse_args()
     args.kv_setups = [x.strip() for x in args.kv_setups.split(",") if x.strip()]
     for name in args.kv_setups:
-        if not name.startswith("kvcloud") or resolve(name)[1] != "round-robin":
-            raise SystemExit(f"{name}: not a round-robin kvcloud setup of the load benchmark")
+        if not name.startswith("kvcloud"):
+            raise SystemExit(f"{name}: not a kvcloud setup of the load benchmark")
     if not args.blocks:
         n = len(orders((*REFS, *args.kv_setups)))
         args.blocks = n if n >= 6 else 2 * n
