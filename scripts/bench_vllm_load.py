@@ -76,8 +76,12 @@ SETUPS = (
 # variants for the docs' own questions (in the default run, after SETUPS): the base setup, routing,
 # and the kvcloud settings that differ
 AGAIN = "sticky-again"
+ROUTINGS = ("sticky", "round-robin", "least-loaded")
 VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "kvcloud-file-sync": ("kvcloud-file", "round-robin", {"load_mode": "sync"}),
+    "kvcloud-file-auto": ("kvcloud-file", "round-robin", {"load_mode": "auto"}),
+    "kvcloud-least-loaded": ("kvcloud-file", "least-loaded", {"load_mode": "auto"}),
+    "kvcloud-least-loaded-sync": ("kvcloud-file", "least-loaded", {"load_mode": "sync"}),
     "kvcloud-file-prompts": ("kvcloud-file", "round-robin", {"save_decode": False}),
     # the uploader at vLLM's own priority and halfway (the default runs it at nice 19)
     "kvcloud-file-nice0": ("kvcloud-file", "round-robin", {"upload_nice": 0}),
@@ -234,7 +238,28 @@ async def replay(
     concurrency: int,
     max_tokens: int,
 ) -> tuple[list[Turn], float]:
-    """Play every conversation's turns in order, ``concurrency`` conversations at a time."""
+    """Play every conversation's turns in order, ``concurrency`` conversations at a time.
+
+    Routing: ``sticky``, a conversation stays on one server; ``round-robin``, every turn on
+    the next server; ``least-loaded``, every turn on the server with the fewest turns in
+    flight, and among those not the one the conversation's last turn ran on (a load
+    balancer that knows nothing of where the KV is: the conversation moves whenever the
+    load allows)."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing {routing!r}: use one of {', '.join(ROUTINGS)}")
+    n = len(urls)
+    in_flight = [0] * n
+
+    def route(i: int, k: int, last: int) -> int:
+        if routing == "sticky":
+            return i % n
+        if routing == "round-robin":
+            return (i + k) % n
+        low = min(in_flight)
+        least = [s for s in range(n) if in_flight[s] == low]
+        moving = [s for s in least if s != last] or least
+        return moving[(i + k) % len(moving)]
+
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(len(convs)):
         queue.put_nowait(i)
@@ -252,11 +277,16 @@ async def replay(
                 except asyncio.QueueEmpty:
                     return
                 history: list[dict[str, str]] = []
+                server = -1
                 for k, user in enumerate(convs[i]):
-                    server = i % len(urls) if routing == "sticky" else (i + k) % len(urls)
+                    server = route(i, k, server)
                     history.append({"role": "user", "content": user})
                     t = Turn(i, k, server)
-                    await one_turn(client, urls[server], history, max_tokens, t)
+                    in_flight[server] += 1
+                    try:
+                        await one_turn(client, urls[server], history, max_tokens, t)
+                    finally:
+                        in_flight[server] -= 1
                     turns.append(t)
                     if t.error:
                         log(f"  conversation {i} turn {k}: {t.error}")
@@ -279,6 +309,9 @@ def summarize(turns: list[Turn], wall: float) -> dict[str, Any]:
     later = [t.ttft for t in ok if t.turn > 0]
     gaps = [g for t in ok for g in t.gaps]
     prompt = sum(t.prompt_tokens for t in ok)
+    by_turn = {(t.conv, t.turn): t.server for t in turns}
+    later_turns = [t for t in ok if t.turn > 0 and (t.conv, t.turn - 1) in by_turn]
+    moved = sum(by_turn[(t.conv, t.turn - 1)] != t.server for t in later_turns)
     return {
         "requests": len(ok),
         "errors": len(turns) - len(ok),
@@ -294,6 +327,8 @@ def summarize(turns: list[Turn], wall: float) -> dict[str, Any]:
         "prompt_tokens": prompt,
         "cached_tokens": sum(t.cached_tokens for t in ok),
         "max_prompt_tokens": max((t.prompt_tokens for t in ok), default=0),
+        # of the turns after a conversation's first, those on another server than the last
+        "moved_fraction": moved / len(later_turns) if later_turns else 0.0,
     }
 
 

@@ -349,6 +349,54 @@ def test_sync_load_mode_offers_loads_as_synchronous(stored: tuple[KVCloud, list[
     assert ask(s, req, sync=True) == 4 * C
 
 
+def test_auto_load_mode_puts_a_restore_in_the_step_only_when_measured_short(
+    stored: tuple[KVCloud, list[int]],
+) -> None:
+    """``load_mode=auto``: beside the pass until a rate is known; then in the step when the
+    objects to pull take at most ``sync_budget_ms`` at the measured rate (in-step restores'
+    rate first, else twice the rate of those beside the pass), and the spec says so."""
+    kvc, tokens = stored
+    s = side(kvc, load_mode="auto", sync_budget_ms=50)
+
+    def offer(rid: str, local: int = 0) -> tuple[int, bool]:
+        req = request(rid, tokens)
+        s.on_new_request(req)
+        n, is_async = None, True
+        while n is None:  # as vLLM asks, step after step
+            n, is_async = s.get_num_new_matched_tokens(req, local)
+            time.sleep(0.001)
+        s.update_state_after_alloc(req, Blocks(list(range(100, 109))), n)
+        (spec,) = s.build_connector_meta(output()).loads
+        assert spec.sync == (not is_async)  # the worker settles what vLLM was told
+        return n, spec.sync
+
+    assert offer("r1") == (4 * C, False)  # no rate known: beside the pass
+    all4 = sum(ref.entry.size for ref in s._plans["r1"].match.chunks)  # type: ignore[union-attr]
+
+    def report(**rates: float) -> None:
+        meta = KVCloudWorkerMeta(**rates)  # type: ignore[arg-type]
+        s.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta))
+
+    report(beside_bytes=all4, beside_s=0.12)  # beside: 120 ms, so 60 ms in the step: too long
+    assert offer("r2") == (4 * C, False)
+    report(beside_bytes=all4, beside_s=0.03)  # average now 90 ms beside, 45 ms in the step
+    assert offer("r3") == (4 * C, True)
+    # in-step restores measured slow (160 ms for all four): that rate rules, not beside's
+    report(in_step_bytes=all4, in_step_s=0.16)
+    assert offer("r4") == (4 * C, False)
+    # vLLM holds three chunks itself: one object to pull, 40 ms at that rate
+    assert offer("r5", local=3 * C) == (C, True)
+    assert s.take_stats()["loads_in_step"] == 2
+    # sync and async ignore the rates
+    for mode, in_step in (("sync", True), ("async", False)):
+        other = side(kvc, load_mode=mode)
+        fast = KVCloudWorkerMeta(in_step_bytes=1 << 40, in_step_s=1.0)
+        other.update_connector_output(SimpleNamespace(kv_connector_worker_meta=fast))
+        req = request("x", tokens)
+        other.on_new_request(req)
+        assert ask(other, req, sync=in_step) == 4 * C
+
+
 def test_a_prefix_vllm_holds_itself_never_waits_for_the_index(tmp_path: Path) -> None:
     """vLLM's own cache already holds every block before the prompt's last token: nothing
     kvcloud holds could be offered, so vLLM gets its answer at once even from a hung index,

@@ -25,6 +25,8 @@ def test_extra_config_wins_over_environment() -> None:
     assert (cfg.store, cfg.chunk_tokens, cfg.tenant) == ("file:///env", 128, "t")
     assert VLLMConnectorConfig.load({}, env={}).write_policy == "write-through"
     assert VLLMConnectorConfig.load({}, env={"KVCLOUD_UPLOAD_NICE": "0"}).upload_nice == 0
+    auto = VLLMConnectorConfig.load({"load_mode": "auto"}, env={"KVCLOUD_SYNC_BUDGET_MS": "12.5"})
+    assert (auto.load_mode, auto.sync_budget_ms) == ("auto", 12.5)
 
 
 @pytest.mark.parametrize(
@@ -38,6 +40,9 @@ def test_extra_config_wins_over_environment() -> None:
         ({"load_timeout": -1}, {}, "load_timeout must be a positive number"),
         ({"upload_nice": 20}, {}, "upload_nice must be an integer 0-19"),
         ({}, {"KVCLOUD_UPLOAD_NICE": "-5"}, "upload_nice must be an integer 0-19"),
+        ({"load_mode": "eager"}, {}, "load_mode 'eager': use one of async, sync, auto"),
+        ({"sync_budget_ms": 0}, {}, "sync_budget_ms must be > 0"),
+        ({}, {"KVCLOUD_SYNC_BUDGET_MS": "-1"}, "sync_budget_ms must be > 0"),
     ],
 )
 def test_bad_settings_are_named(extra: dict, env: dict, message: str) -> None:

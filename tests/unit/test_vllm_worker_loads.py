@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 from kvcloud import KVCloud  # noqa: E402
 from kvcloud.integrations.vllm.config import VLLMConnectorConfig  # noqa: E402
 from kvcloud.integrations.vllm.layout import learn_layout  # noqa: E402
-from kvcloud.integrations.vllm.specs import LoadChunk, LoadSpec  # noqa: E402
+from kvcloud.integrations.vllm.specs import KVCloudWorkerMeta, LoadChunk, LoadSpec  # noqa: E402
 from kvcloud.integrations.vllm.worker import WorkerSide  # noqa: E402
 from tests.helpers import make_kv, make_ns, make_tokens, same_bits  # noqa: E402
 from tests.unit.test_vllm_layout import cpu_write, layer_for  # noqa: E402
@@ -294,6 +294,59 @@ def test_a_hung_sync_restore_stalls_the_step_no_longer_than_load_timeout(tmp_pat
     ws._pool.shutdown(wait=True)
     for cache in ws.caches.values():
         assert not cache.any(), "an abandoned restore wrote into vLLM's blocks"
+
+
+def test_an_auto_restore_in_the_step_stalls_it_at_most_four_budgets(tmp_path: Path) -> None:
+    """``load_mode=auto``: a restore the scheduler put in the step waits there no longer than
+    four ``sync_budget_ms`` (not ``load_timeout``), is then recomputed and never writes; one
+    it left beside the pass is not waited for at all."""
+    ws, kvc, _, spec = setup(tmp_path, load_mode="auto", sync_budget_ms=75, load_timeout=5.0)
+    gate = hang_store(kvc)
+    spec.sync = True
+    t0 = time.monotonic()
+    ws.start_load_kv(SimpleNamespace(loads=[spec], saves=[]))  # type: ignore[arg-type]
+    assert 0.28 < time.monotonic() - t0 < 1.5
+    assert ws.get_block_ids_with_load_errors() == {
+        b for ch in spec.chunks for b in ch.block_ids if b >= 0
+    }
+    assert ws.take_stats()["load_timeouts"] == 1
+    gate.set()
+    ws._pool.shutdown(wait=True)
+    for cache in ws.caches.values():
+        assert not cache.any(), "an abandoned restore wrote into vLLM's blocks"
+    beside, *_ = setup(tmp_path / "beside", load_mode="auto", sync_budget_ms=75)
+    gate = hang_store(beside.client)
+    spec.sync, spec.req_id = False, "beside"
+    t0 = time.monotonic()
+    beside.start_load_kv(SimpleNamespace(loads=[spec], saves=[]))  # type: ignore[arg-type]
+    assert time.monotonic() - t0 < 0.2
+    assert beside.get_finished(set()) == (None, None)
+    gate.set()
+    assert finish(beside, "beside") == set()
+
+
+def test_restores_report_their_rate_to_the_scheduler_side(tmp_path: Path) -> None:
+    """What ``load_mode=auto`` decides from: the bytes and seconds of the restores that
+    ended, in the step and beside it, each reported once."""
+    ws, _, _, spec = setup(tmp_path, load_mode="auto")
+    assert ws.build_worker_meta() is None
+    step(ws, spec)  # beside the pass
+    meta = ws.build_worker_meta()
+    assert meta is not None
+    size = sum(ch.size for ch in spec.chunks)
+    assert meta.beside_bytes == size and meta.beside_s > 0
+    assert meta.in_step_bytes == 0 and meta.in_step_s == 0
+    assert ws.build_worker_meta() is None  # reported once
+    spec.sync, spec.req_id = True, "in-step"
+    ws.start_load_kv(SimpleNamespace(loads=[spec], saves=[]))  # type: ignore[arg-type]
+    meta = ws.build_worker_meta()
+    assert meta is not None and meta.in_step_bytes == size and meta.in_step_s > 0
+    assert meta.beside_bytes == 0
+    # two ranks' reports add up (vLLM aggregates the workers' metadata)
+    other = KVCloudWorkerMeta(in_step_bytes=10, in_step_s=1.0, beside_bytes=5, beside_s=2.0)
+    total = meta.aggregate(other)
+    assert (total.in_step_bytes, total.beside_bytes) == (size + 10, 5)
+    assert total.beside_s == 2.0
 
 
 def test_saves_copy_each_layer_into_pooled_buffers_and_push_what_vllm_computed(

@@ -21,7 +21,7 @@ from ...errors import ConfigError
 from ...namespace import DEFAULT_CHUNK_TOKENS
 
 WRITE_POLICIES = ("write-through", "off")
-LOAD_MODES = ("async", "sync")
+LOAD_MODES = ("async", "sync", "auto")
 
 
 @dataclass
@@ -61,7 +61,16 @@ class VLLMConnectorConfig:
     its chunks are pulled and verified off the forward pass; the requests already decoding
     never wait for it. ``sync``: the restore runs inside the step that schedules the request,
     before its forward pass, which saves the request one scheduler step but makes every
-    request in that batch wait for the pull (docs/VLLM.md has the measurements)."""
+    request in that batch wait for the pull. ``auto``: in the step when the restore is
+    measured to take at most ``sync_budget_ms`` at the rate this vLLM's restores have been
+    running, beside it otherwise (and while no rate is known yet). docs/VLLM.md has the
+    measurements."""
+
+    sync_budget_ms: float = field(default=50.0, metadata={"env": "KVCLOUD_SYNC_BUDGET_MS"})
+    """``load_mode=auto``: the longest a restore may be expected to take and still run inside
+    the step (every request in the batch waits for it). A restore in the step that runs past
+    four times this is abandoned and its tokens recomputed, so one slow pull stalls the batch
+    a bounded time whatever ``load_timeout`` says."""
 
     load_timeout: float = field(default=2.0, metadata={"env": "KVCLOUD_LOAD_TIMEOUT"})
     """Seconds a request waits for its restore before giving up on it; the blocks not loaded
@@ -186,6 +195,12 @@ class VLLMConnectorConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or value <= 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        if (
+            isinstance(self.sync_budget_ms, bool)
+            or not isinstance(self.sync_budget_ms, int | float)
+            or not self.sync_budget_ms > 0
+        ):
+            raise ConfigError(f"sync_budget_ms must be > 0, got {self.sync_budget_ms!r}")
         if not isinstance(self.lookup_wait_ms, int | float) or self.lookup_wait_ms < 0:
             raise ConfigError(f"lookup_wait_ms must be >= 0, got {self.lookup_wait_ms!r}")
         if self.breaker_max_backoff < self.breaker_backoff:

@@ -13,7 +13,9 @@ Tensor-free, and it never waits on the network for more than ``lookup_wait_ms`` 
 - **Loads are asynchronous** by default (``load_kv_async``): the request waits in vLLM's
   WAITING_FOR_REMOTE_KVS state while its chunks are pulled, verified and written into its
   blocks off the forward pass; the requests already running keep decoding. With
-  ``load_mode=sync`` the load runs in the step that schedules the request instead. A store
+  ``load_mode=sync`` the load runs in the step that schedules the request instead; with
+  ``auto``, in the step when the workers' measured restore rate says it will take at most
+  ``sync_budget_ms``, beside the pass otherwise. A store
   the workers report as failing (their own breaker) gets no loads offered, and objects whose
   pull failed or timed out are not offered again for ``failure_memory`` seconds.
 - **Saves follow the request's KV as it is computed**: each step names the chunks whose last
@@ -56,6 +58,7 @@ class _Plan:
     skip: bool = False  # a request kvcloud cannot key: neither loaded nor saved
     local: int = 0  # vLLM's own hit when the load was offered
     external: int = 0  # tokens offered beyond it
+    sync: bool = False  # the load runs in the step that schedules the request
     block_ids: list[int] = field(default_factory=list)
 
 
@@ -107,6 +110,10 @@ class SchedulerSide:
         self._store_out_until = 0.0
         self._index_gauge = 0  # last value of the index_breaker_open gauge reported
         self._scheduler_ns = 0  # time spent in this class's calls on vLLM's thread
+        # bytes per second of the workers' restores, in the step and beside it (moving
+        # averages; None until one is measured): what load_mode=auto predicts from
+        self._rate_in_step: float | None = None
+        self._rate_beside: float | None = None
 
     def count(self, **deltas: int) -> None:
         with self._stats_lock:
@@ -283,7 +290,32 @@ class SchedulerSide:
         if external <= 0 or external < self.cfg.min_hit_tokens:
             return 0, False
         plan.local, plan.external = num_computed_tokens, external
-        return external, self.cfg.load_mode == "async"
+        plan.sync = self._in_step(plan, hit)
+        return external, not plan.sync
+
+    def _in_step(self, plan: _Plan, end: int) -> bool:
+        """Whether the load runs in the step (vLLM is told ``load_async=False``). ``auto``:
+        when the objects it pulls are expected to take at most ``sync_budget_ms`` at the
+        rate restores in the step have run; before one has, at twice the rate of those
+        beside the pass (they share the cores with it; the worker abandons an in-step
+        restore past four budgets, so a wrong guess costs the batch a bounded stall). With
+        no rate known yet, beside the pass: that is how the first rate is learnt."""
+        if self.cfg.load_mode != "auto":
+            return self.cfg.load_mode == "sync"
+        if self._rate_in_step is not None:
+            rate = self._rate_in_step
+        elif self._rate_beside is not None:
+            rate = 2 * self._rate_beside
+        else:
+            return False
+        assert plan.match is not None
+        c = self.ns.chunk_tokens
+        pulled = sum(
+            ref.entry.size
+            for ref in plan.match.chunks
+            if (ref.position + 1) * c > plan.local and ref.position * c < end
+        )
+        return 1000 * pulled / rate <= self.cfg.sync_budget_ms
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         plan = self._plans.get(request.request_id)
@@ -295,6 +327,8 @@ class SchedulerSide:
         plan.block_ids = list(blocks.get_block_ids()[0])
         self._loads[request.request_id] = plan
         self.count(hit_tokens=plan.external)
+        if plan.sync:
+            self.count(loads_in_step=1)
 
     # -- metadata ---------------------------------------------------------------------------
 
@@ -321,7 +355,7 @@ class SchedulerSide:
                     ref.position, ref.fp, ref.parent, ref.entry.object_key, ref.entry.size, ids
                 )
             )
-        return LoadSpec(req_id, plan.tenant, chunks)
+        return LoadSpec(req_id, plan.tenant, chunks, sync=plan.sync)
 
     def build_connector_meta(self, scheduler_output: Any) -> StepSpec:
         t0 = time.perf_counter_ns()
@@ -444,6 +478,8 @@ class SchedulerSide:
             self._store_out_until = max(self._store_out_until, now + meta.store_retry_in)
         elif meta.store_ok:
             self._store_out_until = 0.0
+        self._rate_in_step = _moved(self._rate_in_step, meta.in_step_bytes, meta.in_step_s)
+        self._rate_beside = _moved(self._rate_beside, meta.beside_bytes, meta.beside_s)
         if len(self._bad_objects) > 4096:  # bounded: forget the ones that expired
             self._bad_objects = {k: t for k, t in self._bad_objects.items() if t > now}
 
@@ -469,3 +505,12 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self._lookups.shutdown(wait=False, cancel_futures=True)
+
+
+def _moved(rate: float | None, nbytes: int, seconds: float) -> float | None:
+    """A moving average of bytes per second, a third of the way towards each new report
+    (one slow restore on a busy step does not flip every later decision)."""
+    if nbytes <= 0 or seconds <= 0:
+        return rate
+    now = nbytes / seconds
+    return now if rate is None else rate + (now - rate) / 3

@@ -29,6 +29,9 @@ class LoadSpec:
     req_id: str
     tenant: str
     chunks: list[LoadChunk]
+    # restored inside the step that schedules it (vLLM was told load_async=False): the
+    # forward pass waits for it
+    sync: bool = False
 
 
 @dataclass
@@ -59,15 +62,25 @@ class KVCloudWorkerMeta:
     """What the workers tell the scheduler side after a step (vLLM's worker → scheduler
     channel, ``KVConnectorWorkerMetadata``: vLLM only calls ``aggregate`` on it): objects
     whose pull failed or timed out (not to be offered for that many seconds), and the store's
-    breaker (seconds until its next probe while open; ``store_ok`` once it closed again)."""
+    breaker (seconds until its next probe while open; ``store_ok`` once it closed again);
+    and the bytes and seconds of the restores that ended, in the step and beside it, from
+    which ``load_mode=auto`` predicts how long the next one would stall a step."""
 
     bad_objects: dict[str, float] = field(default_factory=dict)
     store_retry_in: float = 0.0
     store_ok: bool = False
+    in_step_bytes: int = 0
+    in_step_s: float = 0.0
+    beside_bytes: int = 0
+    beside_s: float = 0.0
 
     def aggregate(self, other: KVCloudWorkerMeta) -> KVCloudWorkerMeta:
         if isinstance(other, KVCloudWorkerMeta):
             self.bad_objects.update(other.bad_objects)
             self.store_retry_in = max(self.store_retry_in, other.store_retry_in)
             self.store_ok = self.store_ok and other.store_ok
+            self.in_step_bytes += other.in_step_bytes
+            self.in_step_s += other.in_step_s
+            self.beside_bytes += other.beside_bytes
+            self.beside_s += other.beside_s
         return self

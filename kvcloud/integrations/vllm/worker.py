@@ -77,6 +77,7 @@ class _Load:
     writing: bool = False  # the thread is writing into vLLM's blocks (can't be abandoned)
     abandoned: bool = False  # reported as failed: the thread must not touch vLLM's blocks
     ended: float = 0.0  # when the thread was done with it (monotonic), 0 while running
+    pulled: int = 0  # bytes pulled
 
 
 @dataclass
@@ -106,6 +107,17 @@ class _BufferPool:
         with self._lock:
             if len(self._free) < self.keep:
                 self._free.append(buf)
+
+
+@dataclass
+class _Moved:
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def take(self) -> tuple[int, float]:
+        out = (self.bytes, self.seconds)
+        self.bytes, self.seconds = 0, 0.0
+        return out
 
 
 class WorkerSide:
@@ -152,6 +164,9 @@ class WorkerSide:
         self._store_reported_open = False  # to the scheduler side
         self._store_gauge = 0  # last value of the store_breaker_open gauge reported
         self._meta_lock = threading.Lock()
+        # restores ended since the last report: bytes and seconds, in the step and beside it
+        self._in_step = _Moved()
+        self._beside = _Moved()
 
     def _breaker_changed(self, old: str, new: str) -> None:
         if new == "open":
@@ -221,7 +236,7 @@ class WorkerSide:
             # object streams straight in and is hashed as it lands
             staging = buf[first : first + len(spec.chunks)]
             first += len(spec.chunks)
-            load = _Load(spec, staging, self._clock() + self.cfg.load_timeout)
+            load = _Load(spec, staging, self._clock() + self._timeout(spec))
             self._loads[spec.req_id] = load
             if shared:
                 self._kept_users.append(load)
@@ -233,12 +248,24 @@ class WorkerSide:
                 self.count(loads_refused=1)
                 continue  # no future: reported failed at the next get_finished
             load.future = self._pool.submit(self._restore, load)
-        if self.cfg.load_mode == "sync":
-            self._settle_sync([spec.req_id for spec in specs])
+        in_step = [spec.req_id for spec in specs if self._in_step_load(spec)]
+        if in_step:
+            self._settle_sync(in_step)
+
+    def _in_step_load(self, spec: LoadSpec) -> bool:
+        return spec.sync or self.cfg.load_mode == "sync"
+
+    def _timeout(self, spec: LoadSpec) -> float:
+        """How long a restore may run: ``load_timeout``, and for one that ``load_mode=auto``
+        put in the step, four budgets at most (the whole batch waits for it)."""
+        if self.cfg.load_mode == "auto" and spec.sync:
+            return min(self.cfg.load_timeout, 4 * self.cfg.sync_budget_ms / 1000)
+        return self.cfg.load_timeout
 
     def _settle_sync(self, req_ids: list[str]) -> None:
-        """``load_mode=sync``: wait for this step's restores (each until its deadline) before
-        the forward pass reads their blocks; what failed is reported after this step."""
+        """A restore in the step (``load_mode=sync``, or ``auto`` when it is measured short):
+        wait for it (until its deadline) before the forward pass reads its blocks; what
+        failed is reported after this step."""
         loads = [self._loads.pop(rid) for rid in req_ids]
         futures = [load.future for load in loads if load.future is not None]
         if futures:
@@ -298,6 +325,11 @@ class WorkerSide:
         finally:
             load.ended = time.monotonic()
             self.count(loads=1, load_us=int(1e6 * (load.ended - started)))
+            if load.pulled:
+                moved = self._in_step if self._in_step_load(spec) else self._beside
+                with self._meta_lock:
+                    moved.bytes += load.pulled
+                    moved.seconds += load.ended - started
 
     def _pull_and_write(self, load: _Load, m: Match) -> int:
         spec = load.spec
@@ -312,6 +344,7 @@ class WorkerSide:
             1e3 * (time.monotonic() - started),
         )
         self.count(loaded_bytes=res.bytes)
+        load.pulled = res.bytes
         unreachable = [pos for pos, reason in res.failures if reason == "unavailable"]
         with load.lock:
             abandoned = load.abandoned
@@ -366,9 +399,9 @@ class WorkerSide:
                     load.abandoned = True
             if load.abandoned:
                 log.warning(
-                    "kvcloud restore of %s ran past load_timeout (%.1fs): recomputing",
+                    "kvcloud restore of %s ran past its timeout (%.2fs): recomputing",
                     load.spec.req_id,
-                    self.cfg.load_timeout,
+                    self._timeout(load.spec),
                 )
                 self.count(load_timeouts=1)
                 self._remember_bad(load.spec.chunks[0].object_key)
@@ -413,17 +446,25 @@ class WorkerSide:
         return failed
 
     def build_worker_meta(self) -> KVCloudWorkerMeta | None:
-        """Tell the scheduler side what it should stop offering (only when it changed)."""
+        """Tell the scheduler side what it should stop offering (only when it changed), and
+        how fast the restores that ended since the last report ran."""
         with self._meta_lock:
             bad, self._new_bad = self._new_bad, {}
+            (in_bytes, in_s), (beside_bytes, beside_s) = self._in_step.take(), self._beside.take()
         retry_in = self.store_breaker.retry_in()
         is_open = self.store_breaker.is_open
         changed = is_open != self._store_reported_open
         self._store_reported_open = is_open
-        if not bad and not changed:
+        if not bad and not changed and not in_bytes and not beside_bytes:
             return None
         return KVCloudWorkerMeta(
-            bad_objects=bad, store_retry_in=retry_in if is_open else 0.0, store_ok=not is_open
+            bad_objects=bad,
+            store_retry_in=retry_in if is_open else 0.0,
+            store_ok=not is_open,
+            in_step_bytes=in_bytes,
+            in_step_s=in_s,
+            beside_bytes=beside_bytes,
+            beside_s=beside_s,
         )
 
     # -- saves ------------------------------------------------------------------------------
