@@ -178,6 +178,7 @@ class Turn:
     conv: int
     turn: int
     server: int
+    start: float = 0.0  # seconds from the replay's start
     ttft: float = 0.0
     e2e: float = 0.0
     gaps: list[float] = field(default_factory=list)
@@ -231,6 +232,32 @@ async def one_turn(
     t.text = "".join(parts)
 
 
+class Router:
+    """Which server each turn goes to. ``sticky``: a conversation stays on one server;
+    ``round-robin``: every turn on the next server; ``least-loaded``: every turn on a server
+    with the fewest turns in flight and, among those, not the one the conversation's last
+    turn ran on (a load balancer that knows nothing of where the KV is: the conversation
+    moves whenever the load allows)."""
+
+    def __init__(self, routing: str, n: int) -> None:
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing {routing!r}: use one of {', '.join(ROUTINGS)}")
+        self.routing, self.n = routing, n
+        self.in_flight = [0] * n  # the caller counts each turn in and out
+
+    def pick(self, conv: int, turn: int, last: int) -> int:
+        """The server of ``conv``'s ``turn``, its previous turn having run on ``last``
+        (-1 for the first)."""
+        if self.routing == "sticky":
+            return conv % self.n
+        if self.routing == "round-robin":
+            return (conv + turn) % self.n
+        low = min(self.in_flight)
+        least = [s for s in range(self.n) if self.in_flight[s] == low]
+        moving = [s for s in least if s != last] or least
+        return moving[(conv + turn) % len(moving)]
+
+
 async def replay(
     urls: list[str],
     convs: list[list[str]],
@@ -238,28 +265,9 @@ async def replay(
     concurrency: int,
     max_tokens: int,
 ) -> tuple[list[Turn], float]:
-    """Play every conversation's turns in order, ``concurrency`` conversations at a time.
-
-    Routing: ``sticky``, a conversation stays on one server; ``round-robin``, every turn on
-    the next server; ``least-loaded``, every turn on the server with the fewest turns in
-    flight, and among those not the one the conversation's last turn ran on (a load
-    balancer that knows nothing of where the KV is: the conversation moves whenever the
-    load allows)."""
-    if routing not in ROUTINGS:
-        raise ValueError(f"routing {routing!r}: use one of {', '.join(ROUTINGS)}")
-    n = len(urls)
-    in_flight = [0] * n
-
-    def route(i: int, k: int, last: int) -> int:
-        if routing == "sticky":
-            return i % n
-        if routing == "round-robin":
-            return (i + k) % n
-        low = min(in_flight)
-        least = [s for s in range(n) if in_flight[s] == low]
-        moving = [s for s in least if s != last] or least
-        return moving[(i + k) % len(moving)]
-
+    """Play every conversation's turns in order, ``concurrency`` conversations at a time,
+    each turn on the server ``Router`` picks."""
+    router = Router(routing, len(urls))
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(len(convs)):
         queue.put_nowait(i)
@@ -279,14 +287,14 @@ async def replay(
                 history: list[dict[str, str]] = []
                 server = -1
                 for k, user in enumerate(convs[i]):
-                    server = route(i, k, server)
+                    server = router.pick(i, k, server)
                     history.append({"role": "user", "content": user})
-                    t = Turn(i, k, server)
-                    in_flight[server] += 1
+                    t = Turn(i, k, server, start=time.perf_counter() - t0)
+                    router.in_flight[server] += 1
                     try:
                         await one_turn(client, urls[server], history, max_tokens, t)
                     finally:
-                        in_flight[server] -= 1
+                        router.in_flight[server] -= 1
                     turns.append(t)
                     if t.error:
                         log(f"  conversation {i} turn {k}: {t.error}")

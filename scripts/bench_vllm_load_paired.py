@@ -13,7 +13,8 @@ compared setups are up together and take turns on short blocks of conversations:
   ``--block-conversations``; each block is played once per setup, in a rotating order:
   sticky and round-robin on the no-connector pair (its prefix cache reset before each,
   through vLLM's ``/reset_prefix_cache``), each kvcloud pair with its setup's routing
-  (round-robin, but for ``kvcloud-sticky``). The orders form a Williams design (every setup
+  (round-robin; sticky for ``kvcloud-sticky``, least-loaded for ``kvcloud-least-loaded``:
+  the fewest turns in flight, moving among equals). The orders form a Williams design (every setup
   in every position, each following each other alike), so a drift of the machine falls on
   each setup alike;
 - ``vllm bench serve``'s prefix_repetition, seeded rounds alternating between one
@@ -299,6 +300,7 @@ def _kvcloud_costs(blocks: list[dict[str, Any]], name: str) -> dict[str, str]:
         "lookups": f"{c['lookups']:.0f}",
         "lookup ms each (arrival to answer)": f"{c.get('lookup_us', 0) / 1e3 / c['lookups']:.1f}",
         "restores": f"{c.get('loads', 0):.0f}",
+        "of them in the step": f"{c.get('loads_in_step', 0):.0f}",
         "restore ms each": f"{c.get('load_us', 0) / 1e3 / loads:.1f}",
         "of it writing blocks": f"{c.get('load_write_us', 0) / 1e3 / loads:.1f}",
         "waiting to be reported": f"{c.get('load_report_us', 0) / 1e3 / loads:.1f}",
@@ -335,8 +337,8 @@ def report(res: dict[str, Any]) -> str:
     if pooled:
         lines += [
             "| setup | turns | output tok/s | TTFT p50 ms | TTFT p99 ms | later turns p50 ms | "
-            "ITL p50 ms | ITL p99 ms | cached / prompt tokens | answers ≠ sticky |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "ITL p50 ms | ITL p99 ms | cached / prompt tokens | turns moved | answers ≠ sticky |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, r in pooled.items():
             lines.append(
@@ -344,6 +346,7 @@ def report(res: dict[str, Any]) -> str:
                 f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
                 f"{r['ttft_later_p50_ms']:.0f} | {r['itl_p50_ms']:.0f} | "
                 f"{r['itl_p99_ms']:.0f} | {r['cached_tokens']}/{r['prompt_tokens']} | "
+                f"{r.get('moved_fraction', float('nan')):.0%} | "
                 f"{r['answers_differing']} of {r['answers_compared']} |"
             )
     blocks = res["blocks"]

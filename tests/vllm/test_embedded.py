@@ -3,7 +3,9 @@
 
 A writes and loads asynchronously (the default); B loads with ``load_mode=sync`` (the
 restore runs inside the step that schedules the request), so every restore into B here is
-a synchronous one; C loads asynchronously with other blocks."""
+a synchronous one; C, with other blocks, runs ``load_mode=auto`` with a budget every restore
+here meets: its first restore runs beside the forward pass (no rate measured yet), every
+later one in the step."""
 
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ def servers(
         "C",
         vllm_logs / "C.log",
         model=checkpoint_copy,
-        transfer=cfg,
+        transfer=kvcloud_transfer_config(load_mode="auto", sync_budget_ms=60_000),
         env=store,
         args=["--block-size", "64"],
     )
@@ -211,6 +213,27 @@ def test_local_prefix_hit_in_the_middle_of_a_chunk(
         full_chunks_pushed(len(prompt)) - 640
     )
     assert_same_answer(got, reference.complete(turn, max_tokens=16), "C, mid-chunk local hit")
+
+
+def test_auto_restores_in_the_step_once_a_restore_was_measured(
+    servers: dict[str, VLLMServer], reference: VLLMServer, store: dict[str, str]
+) -> None:
+    """C (``load_mode=auto``): beside the pass while it has measured no restore, in the step
+    (vLLM told ``load_async=False``) once it has; the answers as without a connector."""
+    a, c = servers["A"], servers["C"]
+    for seed in (51, 53):
+        prompt = prompt_tokens(1300, seed=seed)
+        a.complete(prompt, max_tokens=1)
+        assert wait_stored(store, prompt) == len(prompt) // CHUNK
+        before = c.metrics()
+        turn = [*prompt, *prompt_tokens(30, seed=seed + 1)]
+        got = c.complete(turn, max_tokens=16)
+        after = c.metrics()
+        assert cached_tokens(got) >= full_chunks_pushed(len(prompt))
+        measured = before.get("loads", 0) > 0
+        in_step = after.get("loads_in_step", 0) - before.get("loads_in_step", 0)
+        assert in_step == int(measured), (seed, before, after)
+        assert_same_answer(got, reference.complete(turn, max_tokens=16), f"C, auto, {seed}")
 
 
 def test_exact_multiple_of_the_chunk_recomputes_one_block(
