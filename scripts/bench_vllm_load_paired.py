@@ -7,7 +7,7 @@ the end, was 1.57x slower on 2026-12-02): a 10 % target cannot be judged across 
 compared setups are up together and take turns on short blocks of conversations:
 
 - two vLLM servers without a connector and two per kvcloud setup (``--kv-setups``, by
-  default ``kvcloud-file``; the Makefile adds ``kvcloud-file-sync``), one of each pair per
+  default ``kvcloud-file``; the Makefile adds ``kvcloud-least-loaded``), one of each pair per
   core (only the two of the phase running have work);
 - the conversations (ShareGPT, sampled as the load benchmark does) are cut into blocks of
   ``--block-conversations``; each block is played once per setup, in a rotating order:
@@ -478,8 +478,9 @@ def main() -> None:
         "--kv-setups",
         default=KV,
         help="kvcloud setups of the load benchmark, comma-separated (e.g. kvcloud-file,"
-        "kvcloud-file-sync; kvcloud-sticky keeps each conversation on one server: the "
-        "connector on, nothing moving), each on a pair of servers of its own; the first "
+        "kvcloud-least-loaded,kvcloud-file-sync; kvcloud-sticky keeps each conversation on "
+        "one server: the connector on, nothing moving), each on a pair of servers of its own; "
+        "the first "
         "also runs prefix_repetition",
     )
     ap.add_argument(

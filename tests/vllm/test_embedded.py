@@ -1,7 +1,7 @@
 """Two (and a third, restarted) vLLM servers sharing KV through kvcloud's embedded default
 (file:// store + sqlite:// index), checked against a vLLM without any connector.
 
-A writes and loads asynchronously (the default); B loads with ``load_mode=sync`` (the
+A writes, and loads with ``load_mode=async``; B loads with ``load_mode=sync`` (the
 restore runs inside the step that schedules the request), so every restore into B here is
 a synchronous one; C, with other blocks, runs ``load_mode=auto`` with a budget every restore
 here meets: its first restore runs beside the forward pass (no rate measured yet), every
@@ -41,8 +41,9 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def servers(
     store: dict[str, str], vllm_logs: Path, checkpoint_copy: Path, reference: VLLMServer
 ) -> Iterator[dict[str, VLLMServer]]:
-    cfg = kvcloud_transfer_config()
-    a = VLLMServer("A", vllm_logs / "A.log", transfer=cfg, env=store)
+    a = VLLMServer(
+        "A", vllm_logs / "A.log", transfer=kvcloud_transfer_config(load_mode="async"), env=store
+    )
     b = VLLMServer(
         "B", vllm_logs / "B.log", transfer=kvcloud_transfer_config(load_mode="sync"), env=store
     )

@@ -56,15 +56,15 @@ class VLLMConnectorConfig:
     is part of turn n+1's prompt, so a conversation moving to another server restores its
     answers too instead of recomputing them. ``false``: prompt chunks only."""
 
-    load_mode: str = field(default="async", metadata={"env": "KVCLOUD_LOAD_MODE"})
-    """``async``: a request being restored waits in vLLM's WAITING_FOR_REMOTE_KVS state while
-    its chunks are pulled and verified off the forward pass; the requests already decoding
-    never wait for it. ``sync``: the restore runs inside the step that schedules the request,
-    before its forward pass, which saves the request one scheduler step but makes every
-    request in that batch wait for the pull. ``auto``: in the step when the restore is
-    measured to take at most ``sync_budget_ms`` at the rate this vLLM's restores have been
-    running, beside it otherwise (and while no rate is known yet). docs/VLLM.md has the
-    measurements."""
+    load_mode: str = field(default="auto", metadata={"env": "KVCLOUD_LOAD_MODE"})
+    """``auto`` (the default): in the step when the restore is measured to take at most
+    ``sync_budget_ms`` at the rate this vLLM's restores have been running, beside the pass
+    otherwise (and while no rate is known yet). ``async``: a request being restored waits in
+    vLLM's WAITING_FOR_REMOTE_KVS state while its chunks are pulled and verified off the
+    forward pass; the requests already decoding never wait for it. ``sync``: the restore
+    runs inside the step that schedules the request, before its forward pass, which saves the
+    request one scheduler step but makes every request in that batch wait for the pull, up to
+    ``load_timeout``. docs/VLLM.md has the measurements."""
 
     sync_budget_ms: float = field(default=50.0, metadata={"env": "KVCLOUD_SYNC_BUDGET_MS"})
     """``load_mode=auto``: the longest a restore may be expected to take and still run inside

@@ -10,12 +10,13 @@ Tensor-free, and it never waits on the network for more than ``lookup_wait_ms`` 
   miss for that request alone.
 - **A circuit breaker on the index.** Consecutive failed or timed-out lookups open it; while
   it is open no request touches the index (a miss at once), until one probe succeeds.
-- **Loads are asynchronous** by default (``load_kv_async``): the request waits in vLLM's
-  WAITING_FOR_REMOTE_KVS state while its chunks are pulled, verified and written into its
-  blocks off the forward pass; the requests already running keep decoding. With
-  ``load_mode=sync`` the load runs in the step that schedules the request instead; with
-  ``auto``, in the step when the workers' measured restore rate says it will take at most
-  ``sync_budget_ms``, beside the pass otherwise. A store
+- **Loads run in the step only when they are short** (``load_mode=auto``, the default): a
+  load the workers' measured restore rate says will take at most ``sync_budget_ms`` runs in
+  the step that schedules the request; any other (and every one while no rate is known) is
+  asynchronous (``load_kv_async``): the request waits in vLLM's WAITING_FOR_REMOTE_KVS state
+  while its chunks are pulled, verified and written into its blocks off the forward pass,
+  and the requests already running keep decoding. ``load_mode=async`` and ``sync`` make
+  every load one or the other. A store
   the workers report as failing (their own breaker) gets no loads offered, and objects whose
   pull failed or timed out are not offered again for ``failure_memory`` seconds.
 - **Saves follow the request's KV as it is computed**: each step names the chunks whose last

@@ -1,7 +1,8 @@
 """Worker side: move KV between kvcloud objects and vLLM's paged blocks.
 
-Loads are asynchronous by default (the scheduler offers them with ``load_kv_async``), so
-nothing here makes a forward pass wait on the network. ``start_load_kv`` hands each restore to
+A restore runs beside the forward pass unless the scheduler side put it in the step (its
+spec says ``sync``: ``load_mode=sync``, or ``auto`` when measured short), so a slow store
+makes no forward pass wait beyond that. ``start_load_kv`` hands each restore to
 a load thread, which pulls every matched object in parallel, each streamed straight into its own
 slice of a staging array in kvcloud's layout and hashed as it lands, and then writes the
 verified chunks into the request's blocks — blocks no forward pass reads until vLLM is told the
@@ -9,10 +10,11 @@ load is over. After each step ``get_finished`` reports the restores that are ove
 past ``load_timeout`` (then abandoned: the thread may finish pulling into staging, but it can
 no longer touch vLLM's blocks). A chunk that is missing, corrupt, late or unreachable — and
 every chunk after it — is reported through ``get_block_ids_with_load_errors`` in that same
-pass, before the request is ever scheduled, so vLLM recomputes exactly those tokens. With
-``load_mode=sync`` ``start_load_kv`` itself waits for the step's restores (at most
-``load_timeout``) before the forward pass reads them, and their failed blocks are reported
-after that same step (vLLM then discards the step's output for the request and recomputes).
+pass, before the request is ever scheduled, so vLLM recomputes exactly those tokens. For a
+restore in the step, ``start_load_kv`` itself waits (at most ``load_timeout``; four
+``sync_budget_ms`` for one ``auto`` put there) before the forward pass reads it, and its
+failed blocks are reported after that same step (vLLM then discards the step's output for
+the request and recomputes).
 No byte of a chunk reaches vLLM's cache before the chunk is verified (DESIGN §4.3). Nothing
 here raises into vLLM.
 
@@ -384,7 +386,7 @@ class WorkerSide:
                 k = end
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are asynchronous: a forward pass never reads a block being loaded
+        return  # a restore in the step is over before start_load_kv returns; others are never read
 
     def _outcome(self, load: _Load, now: float) -> int | None:
         """Chunks written for a finished restore; None while it is still running."""
