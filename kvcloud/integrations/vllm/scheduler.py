@@ -309,14 +309,20 @@ class SchedulerSide:
             rate = 2 * self._rate_beside
         else:
             return False
+        pulled = sum(ref.entry.size for ref in self._pulled(plan, end))
+        return 1000 * pulled / rate <= self.cfg.sync_budget_ms
+
+    def _pulled(self, plan: _Plan, end: int) -> list[Any]:
+        """The matched chunks a load of tokens [plan.local, end) pulls: those overlapping
+        it. The budget decision and the load spec both use this, so the bytes priced are
+        the bytes pulled."""
         assert plan.match is not None
         c = self.ns.chunk_tokens
-        pulled = sum(
-            ref.entry.size
+        return [
+            ref
             for ref in plan.match.chunks
             if (ref.position + 1) * c > plan.local and ref.position * c < end
-        )
-        return 1000 * pulled / rate <= self.cfg.sync_budget_ms
+        ]
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         plan = self._plans.get(request.request_id)
@@ -341,9 +347,7 @@ class SchedulerSide:
         end = plan.local + plan.external
         end_block = end // bs
         chunks = []
-        for ref in plan.match.chunks:
-            if (ref.position + 1) * c <= plan.local or ref.position * c >= end:
-                continue
+        for ref in self._pulled(plan, end):
             base = ref.position * per_chunk
             ids = [
                 plan.block_ids[base + k] if first_block <= base + k < end_block else -1
@@ -479,6 +483,9 @@ class SchedulerSide:
             self._store_out_until = max(self._store_out_until, now + meta.store_retry_in)
         elif meta.store_ok:
             self._store_out_until = 0.0
+        # bytes over summed seconds: restores that ran at the same time each count their own
+        # time, so the rate is what one restore gets, not the store's total (the safe side
+        # for a budget that one restore must fit)
         self._rate_in_step = _moved(self._rate_in_step, meta.in_step_bytes, meta.in_step_s)
         self._rate_beside = _moved(self._rate_beside, meta.beside_bytes, meta.beside_s)
         if len(self._bad_objects) > 4096:  # bounded: forget the ones that expired

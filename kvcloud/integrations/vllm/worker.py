@@ -255,6 +255,8 @@ class WorkerSide:
             self._settle_sync(in_step)
 
     def _in_step_load(self, spec: LoadSpec) -> bool:
+        # the scheduler side decides (``spec.sync``); the worker's own setting only counts
+        # for specs built without it (tests, or a scheduler side older than the worker)
         return spec.sync or self.cfg.load_mode == "sync"
 
     def _timeout(self, spec: LoadSpec) -> float:
