@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvcloud.errors import LayoutError  # noqa: E402
-from kvcloud.integrations.vllm.layout import learn_layout  # noqa: E402
+from kvcloud.integrations.vllm.layout import block_index, learn_layout  # noqa: E402
 
 H, D = 3, 8
 
@@ -160,3 +160,150 @@ def test_a_write_op_that_loses_elements_is_refused() -> None:
     cache = torch.zeros(2, 4, 32, H, D)
     with pytest.raises(LayoutError, match="could not learn"):
         learn_layout(layer_for(lossy), cache, 4, 32, H, D)
+
+
+# -- vLLM 0.32: every layer a strided view of one buffer, in the backend's physical order ---
+#
+# The logical per-layer shape is [blocks, heads, block_size, 2·head_dim] (K the first
+# head_dim of the last axis, V the second); ``v1/kv_cache_layout.py`` picks the physical
+# order per backend: LBHNC for the CPU backend (whose op also transposes K inside a block),
+# LBNHC for FlashAttention and FlashInfer (LBHNC for FlashInfer's trtllm kernels), and
+# block-outermost orders where a block's layers sit together.
+
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+L = 3
+
+
+def split_write(key, value, cache, slots):
+    """FlashAttention's and FlashInfer's update: (B, H, N, 2D) -> (B, N, H, D) K and V."""
+    k_cache, v_cache = cache.transpose(1, 2).split(key.shape[-1], dim=-1)
+    n = cache.shape[2]
+    for t, s in enumerate(slots.tolist()):
+        b, o = divmod(s, n)
+        k_cache[b, o] = key[t]
+        v_cache[b, o] = value[t]
+
+
+def cpu_split_write(key, value, cache, slots):
+    """The CPU backend's update: (B, H, 2N, D), K in the first N rows stored transposed."""
+    nb, h, n, _ = cache.shape
+    view = cache.view(nb, h, 2 * n, -1)
+    kc, vc = view.chunk(2, dim=2)
+    d = key.shape[-1]
+    for t, s in enumerate(slots.tolist()):
+        b, o = divmod(s, n)
+        for hh in range(h):
+            kc[b, hh].reshape(-1)[torch.arange(d, device=cache.device) * n + o] = key[t, hh]
+            vc[b, hh, o] = value[t, hh]
+
+
+# physical axis order of the buffer (L, B, H, N, C), and the backend's write op
+PHYSICAL: dict[str, tuple[tuple[int, ...], Callable]] = {
+    "cpu-LBHNC": ((0, 1, 2, 3, 4), cpu_split_write),
+    "flash-LBNHC": ((0, 1, 3, 2, 4), split_write),
+    "flashinfer-LBHNC": ((0, 1, 2, 3, 4), split_write),
+    "BLNHC": ((1, 0, 3, 2, 4), split_write),
+    "BLHNC": ((1, 0, 2, 3, 4), split_write),
+}
+
+
+def layer_views(name: str, nb: int, n: int, dtype, device: str, fill: bool = False):
+    """One buffer for L layers in the named physical order; each layer's logical
+    [B, H, N, 2D] view of it (as vLLM hands ``register_kv_caches``)."""
+    order, _ = PHYSICAL[name]
+    logical = (L, nb, H, n, 2 * D)
+    physical = tuple(logical[i] for i in order)
+    g = torch.Generator().manual_seed(11)
+    raw = torch.randn(physical, generator=g) if fill else torch.zeros(physical)
+    buf = raw.to(dtype).to(device)
+    inverse = [order.index(i) for i in range(5)]
+    views = buf.permute(*inverse)
+    return buf, [views[layer] for layer in range(L)]
+
+
+def kv_tokens(tokens: int, dtype, device: str, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(tokens, H, D, generator=g).to(dtype).to(device)
+    v = torch.randn(tokens, H, D, generator=g).to(dtype).to(device)
+    return k, v
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(PHYSICAL))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_per_layer_views_of_one_buffer_gather_what_the_op_wrote(name, dtype, device) -> None:
+    nb, n = 9, 16
+    _, views = layer_views(name, nb, n, dtype, device)
+    write = PHYSICAL[name][1]
+    layout = learn_layout(layer_for(write), views[1], nb, n, H, D)
+    # every one of these orders is a strided view: no element-wise fallback
+    assert layout.halves is not None and layout.cache_strides == views[1].stride()
+    # K and V travel together where they differ only by an offset
+    assert (layout._pair_view(views[1]) is None) == name.startswith("cpu")
+    written = {}
+    for layer, view in enumerate(views):
+        k, v = kv_tokens(4 * n, dtype, device, seed=layer)
+        # tokens land in blocks 7, 2, 5, 0 (a fragmented, out-of-order allocation)
+        slots = torch.cat([torch.arange(b * n, (b + 1) * n) for b in (7, 2, 5, 0)])
+        write(k, v, view, slots)
+        written[layer] = (k, v)
+    for layer, view in enumerate(views):
+        k, v = written[layer]
+        kv = layout.gather(view, [7, 2, 5, 0])
+        assert kv.device == view.device
+        assert torch.equal(kv[0], k) and torch.equal(kv[1], v), layer
+        ids = block_index([5, 7], torch.device(device))  # made ready once, reused per layer
+        assert torch.equal(layout.gather(view, ids)[1], torch.cat([v[2 * n : 3 * n], v[:n]]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(PHYSICAL))
+# two runs of consecutive blocks (slice copies), four (one indexed copy)
+@pytest.mark.parametrize("ids", [[8, 3, 4], [8, 3, 6, 1]])
+def test_scatter_into_one_layer_writes_the_ops_bytes_and_nothing_else(name, device, ids) -> None:
+    """KV scattered into one layer's blocks is bit-identical to the backend's op writing the
+    same tokens there; every other layer and block of the shared buffer keeps its bytes."""
+    nb, n, dtype = 9, 16, torch.bfloat16
+    write = PHYSICAL[name][1]
+    got, got_views = layer_views(name, nb, n, dtype, device, fill=True)
+    want, want_views = layer_views(name, nb, n, dtype, device, fill=True)
+    layout = learn_layout(layer_for(write), got_views[2], nb, n, H, D)
+    blocks = block_index(ids, torch.device(device))
+    assert (blocks.runs is None) == (len(ids) == 4)
+    k, v = kv_tokens(len(ids) * n, dtype, device, seed=5)
+    # the KV comes from host memory, as restores stage it
+    kv = torch.stack([k, v]).cpu()
+    layout.scatter(got_views[2], blocks, kv)
+    slots = torch.cat([torch.arange(b * n, (b + 1) * n) for b in ids])
+    write(k, v, want_views[2], slots)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["cpu-LBHNC", "flash-LBNHC"])
+def test_gather_into_host_room_and_a_strided_room(name, device) -> None:
+    """A save gathers into a host buffer (a chunk's layer slice), a restore may read into a
+    room that is not contiguous: both take the copy path and agree with ``gather``."""
+    nb, n, dtype = 6, 16, torch.float32
+    write = PHYSICAL[name][1]
+    _, views = layer_views(name, nb, n, dtype, device, fill=True)
+    layout = learn_layout(layer_for(write), views[0], nb, n, H, D)
+    ids = [4, 1, 2]
+    want = layout.gather(views[0], ids).cpu()
+    host = torch.empty(2, 3 * n, H, D)
+    layout.gather_into(views[0], ids, host)
+    assert torch.equal(host, want)
+    wide = torch.zeros(2, 3 * n, H, 2 * D, device=device)
+    room = wide[..., :D]
+    layout.gather_into(views[0], ids, room)
+    assert torch.equal(room.cpu(), want)
+    assert not wide[..., D:].any()  # nothing written beside the room
+
+
+def test_empty_block_lists_are_no_ops() -> None:
+    _, views = layer_views("flash-LBNHC", 4, 16, torch.float32, "cpu", fill=True)
+    layout = learn_layout(layer_for(split_write), views[0], 4, 16, H, D)
+    before = views[0].clone()
+    layout.scatter(views[0], [], torch.empty(2, 0, H, D))
+    assert layout.gather(views[0], []).shape == (2, 0, H, D)
+    assert torch.equal(views[0], before)

@@ -1,21 +1,27 @@
 """The one place that knows how vLLM lays out its paged KV: learned, not assumed.
 
 kvcloud stores a chunk as ``[layers, 2 (K, V), tokens, kv_heads, head_dim]``, whatever the
-engine's block size. vLLM's per-layer cache tensor differs by attention backend and CPU ISA:
-the CPU backend allocates ``[blocks, heads, block_size, 2 × head_dim]`` and stores K
-transposed inside each block (``[head_dim, block_size]``, for its dot products) but V
-row-major; FlashAttention uses ``[2, blocks, block_size, heads, head_dim]``; others differ
-again. Rather than hard-code those shapes, ``learn_layout`` writes numbered probe values
-through the backend's own cache-write op (``impl.do_kv_cache_update``, the op the forward
-pass uses) into a one-block scratch tensor and reads back where each (K/V, token, head, dim)
-landed. The result is a permutation of one block's elements, for any backend whose block
-holds a permutation of its KV (every unquantized one).
+engine's block size. vLLM 0.32 gives each layer a ``[blocks, kv_heads, block_size,
+2 × head_dim]`` view (K in the first ``head_dim`` of the last axis, V in the second) of one
+buffer shared by all layers, whose physical order is the attention backend's choice
+(``v1/kv_cache_layout.py``): ``LBHNC`` on the CPU backend, ``LBNHC`` (token-major inside a
+block) for FlashAttention and FlashInfer, ``BLHNC``/``BLNHC`` where a block's layers sit
+together. The CPU backend's op further stores K transposed inside each block
+(``[head_dim, block_size]``, for its dot products) but V row-major. Rather than hard-code any
+of that, ``learn_layout`` writes numbered probe values through the backend's own cache-write
+op (``impl.do_kv_cache_update``, the op the forward pass uses) into a one-block scratch tensor
+on the engine's device and reads back where each (K/V, token, head, dim) landed. The result is
+a permutation of one block's elements, for any backend whose block holds a permutation of its
+KV (every unquantized one).
 
 Every layout vLLM ships places K and V each at an affine position (an offset plus a stride per
-token, head and dim): the CPU backend's transposed K is just a different set of strides. When
-the learned permutation is affine, gather and scatter are strided copies through an
-``as_strided`` view of the cache (a few ms per layer); otherwise they fall back to an indexed
-copy of every element, which is correct for any permutation but several times slower.
+token, head and dim, in the real cache's storage): the CPU backend's transposed K is just a
+different set of strides. When the learned permutation is affine, a layer's K and V of every
+block are ``as_strided`` views of the cache, and a gather or scatter of any set of blocks is
+one ``index_select`` / ``index_copy_`` per view over the block ids (one for K and V together
+when they differ only by an offset), on the cache's device: no Python loop over blocks, one
+kernel per layer on a GPU. Otherwise it falls back to an indexed copy of every element,
+correct for any permutation but several times slower.
 """
 
 from __future__ import annotations
@@ -32,6 +38,37 @@ from ...errors import LayoutError
 # probe digits run 1..BASE so a zero in the scratch block means "not written"; every integer
 # up to 256 is exact in float16 and bfloat16
 _BASE = 64
+
+
+# a write into at most this many runs of consecutive blocks is done as slice copies: on CPU
+# ``copy_`` of a slice is two to four times faster than ``index_copy_`` of the same blocks,
+# and a chunk's blocks are one run unless the server's free list is fragmented
+# (scripts/bench_vllm_block_copy.py)
+_MAX_SLICES = 2
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Block ids made ready once (and reused for every layer): an index tensor on the cache's
+    device and, when they form at most ``_MAX_SLICES`` runs of consecutive ids, those runs
+    (index of the run's first, first id, end id), copied as slices."""
+
+    ids: torch.Tensor
+    runs: tuple[tuple[int, int, int], ...] | None
+
+    @property
+    def run(self) -> tuple[int, int] | None:
+        """The ids' range when they are all consecutive."""
+        if self.runs is not None and len(self.runs) == 1:
+            return self.runs[0][1], self.runs[0][2]
+        return None
+
+    def __len__(self) -> int:
+        return int(self.ids.numel())
+
+
+# a list of vLLM block ids, or the same made ready by ``block_index``
+BlockIds = Sequence[int] | Blocks
 
 
 @dataclass(frozen=True)
@@ -66,69 +103,97 @@ class BlockLayout:
     def block_elems(self) -> int:
         return 2 * self.block_size * self.num_kv_heads * self.head_dim
 
-    def gather(self, cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
-        """KV of ``block_ids`` (in token order) as ``[2, n·block_size, heads, head_dim]``."""
+    def gather(self, cache: torch.Tensor, block_ids: BlockIds) -> torch.Tensor:
+        """KV of ``block_ids`` (in token order) as ``[2, n·block_size, heads, head_dim]``, on
+        the cache's device."""
         nb = len(block_ids)
         n, h, d = self.block_size, self.num_kv_heads, self.head_dim
-        if self._strided(cache):
-            out = torch.empty(2, nb * n, h, d, dtype=cache.dtype, device=cache.device)
-            self.gather_into(cache, block_ids, out)
-            return out
-        return self._gather_indexed(cache, block_ids)
+        out = torch.empty(2, nb * n, h, d, dtype=cache.dtype, device=cache.device)
+        self.gather_into(cache, block_ids, out)
+        return out
 
-    def gather_into(self, cache: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor) -> None:
-        """Like ``gather``, into ``out`` (``[2, n·block_size, heads, head_dim]``): with an
-        affine layout one strided copy per run of consecutive blocks and no temporary."""
+    def gather_into(self, cache: torch.Tensor, block_ids: BlockIds, out: torch.Tensor) -> None:
+        """Like ``gather``, into ``out`` (``[2, n·block_size, heads, head_dim]``, on the
+        cache's device or in host memory). With an affine layout: one ``index_select`` per
+        layer (or one per K and V), straight into ``out`` when it is on the cache's device,
+        else into device scratch and then one copy to ``out`` (asynchronous from pinned
+        memory: the caller orders it with a stream, see ``device.Streams``)."""
         nb = len(block_ids)
         n, h, d = self.block_size, self.num_kv_heads, self.head_dim
         if tuple(out.shape) != (2, nb * n, h, d):
             raise LayoutError(f"expected room of shape {[2, nb * n, h, d]}, got {list(out.shape)}")
-        if not self._strided(cache):
-            out.copy_(self._gather_indexed(cache, block_ids))
+        if nb == 0:
             return
+        blocks = block_index(block_ids, cache.device)
         dst = out.view(2, nb, n, h, d)
-        runs = _runs(block_ids)
+        if not self._strided(cache):
+            dst.copy_(self._gather_indexed(cache, blocks.ids), non_blocking=True)
+            return
+        pair = self._pair_view(cache)
+        same = out.device == cache.device and out.is_contiguous()
+        if pair is not None and (blocks.run is not None or not same):
+            dst.copy_(_select(pair, blocks).transpose(0, 1), non_blocking=True)
+            return
         for half in (0, 1):
             view = self._half_view(cache, half)
-            for start, lo, hi in runs:
-                dst[half, start : start + hi - lo].copy_(view[lo:hi])
+            if same and blocks.run is None:
+                # select straight into ``out``, no temporary
+                torch.index_select(view, 0, blocks.ids, out=dst[half])
+            else:
+                dst[half].copy_(_select(view, blocks), non_blocking=True)
 
-    def _gather_indexed(self, cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
-        nb = len(block_ids)
-        n, h, d = self.block_size, self.num_kv_heads, self.head_dim
-        ids = torch.as_tensor(block_ids, dtype=torch.long, device=cache.device)
-        flat = cache.index_select(self.block_dim, ids).movedim(self.block_dim, 0).reshape(nb, -1)
-        canon = flat if self.natural else flat[:, self.positions]
-        return canon.view(nb, 2, n, h, d).transpose(0, 1).reshape(2, nb * n, h, d)
-
-    def scatter(self, cache: torch.Tensor, block_ids: Sequence[int], kv: torch.Tensor) -> None:
-        """Write ``kv`` (``[2, n·block_size, heads, head_dim]``) into ``block_ids``."""
+    def scatter(self, cache: torch.Tensor, block_ids: BlockIds, kv: torch.Tensor) -> None:
+        """Write ``kv`` (``[2, n·block_size, heads, head_dim]``, on any device) into
+        ``block_ids``: one ``index_copy_`` per layer (or one per K and V) with an affine
+        layout; KV in host memory is moved to the cache's device first, in one copy."""
         nb = len(block_ids)
         n, h, d = self.block_size, self.num_kv_heads, self.head_dim
         if tuple(kv.shape) != (2, nb * n, h, d):
             raise LayoutError(f"expected KV of shape {[2, nb * n, h, d]}, got {list(kv.shape)}")
-        if self._strided(cache):
-            src = kv.reshape(2, nb, n, h, d)
-            runs = _runs(block_ids)
-            for half in (0, 1):
-                view = self._half_view(cache, half)
-                for start, lo, hi in runs:
-                    view[lo:hi].copy_(src[half, start : start + hi - lo])
+        if nb == 0:
             return
-        ids = torch.as_tensor(block_ids, dtype=torch.long, device=cache.device)
-        canon = kv.to(cache.dtype).reshape(2, nb, n * h * d).transpose(0, 1).reshape(nb, -1)
+        blocks = block_index(block_ids, cache.device)
+        src = kv.to(device=cache.device, dtype=cache.dtype, non_blocking=True).view(2, nb, n, h, d)
+        if not self._strided(cache):
+            self._scatter_indexed(cache, blocks.ids, src)
+            return
+        pair = self._pair_view(cache)
+        if pair is not None:
+            _assign(pair, blocks, src.transpose(0, 1))
+            return
+        for half in (0, 1):
+            _assign(self._half_view(cache, half), blocks, src[half])
+
+    def _gather_indexed(self, cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Any permutation: every element through ``positions`` (``[2, nb, n, h, d]``)."""
+        nb = ids.numel()
+        n, h, d = self.block_size, self.num_kv_heads, self.head_dim
+        flat = cache.index_select(self.block_dim, ids).movedim(self.block_dim, 0).reshape(nb, -1)
+        canon = flat if self.natural else flat[:, self._positions_on(cache.device)]
+        return canon.view(nb, 2, n, h, d).transpose(0, 1)
+
+    def _scatter_indexed(self, cache: torch.Tensor, ids: torch.Tensor, src: torch.Tensor) -> None:
+        nb = ids.numel()
+        canon = src.reshape(2, nb, -1).transpose(0, 1).reshape(nb, -1)
         block_shape = [s for i, s in enumerate(cache.shape) if i != self.block_dim]
         if self.natural and self.covers_block:
             flat = canon
         else:
             if self.covers_block:
-                flat = torch.empty(nb, math.prod(block_shape), dtype=cache.dtype)
-            else:
+                flat = torch.empty(
+                    nb, math.prod(block_shape), dtype=cache.dtype, device=cache.device
+                )
+            else:  # padding inside a block keeps what it held
                 sel = cache.index_select(self.block_dim, ids).movedim(self.block_dim, 0)
                 flat = sel.reshape(nb, -1).clone()
-            flat[:, self.positions] = canon
+            flat[:, self._positions_on(cache.device)] = canon
         blocks = flat.view(nb, *block_shape).movedim(0, self.block_dim)
         cache.index_copy_(self.block_dim, ids, blocks)
+
+    def _positions_on(self, device: torch.device) -> torch.Tensor:
+        if self.positions.device == device:
+            return self.positions
+        return self.positions.to(device)
 
     def _strided(self, cache: torch.Tensor) -> bool:
         return self.halves is not None and cache.stride() == self.cache_strides
@@ -143,17 +208,52 @@ class BlockLayout:
             cache.storage_offset() + s.offset,
         )
 
+    def _pair_view(self, cache: torch.Tensor) -> torch.Tensor | None:
+        """K and V of every block as one ``[blocks, 2, block_size, heads, dim]`` view, when
+        they differ only by an offset (FlashAttention's and FlashInfer's layouts: one copy
+        per layer instead of two); None when K is laid out otherwise than V (the CPU
+        backend's transposed K)."""
+        assert self.halves is not None
+        k, v = self.halves
+        if (k.token, k.head, k.dim) != (v.token, v.head, v.dim) or v.offset <= k.offset:
+            return None
+        return cache.as_strided(
+            (cache.shape[self.block_dim], 2, self.block_size, self.num_kv_heads, self.head_dim),
+            (cache.stride(self.block_dim), v.offset - k.offset, k.token, k.head, k.dim),
+            cache.storage_offset() + k.offset,
+        )
 
-def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``block_ids`` as runs of consecutive ids: (index of the run's first, first id, end id)."""
+
+def block_index(block_ids: BlockIds, device: torch.device) -> Blocks:
+    """Block ids ready for copies on the cache's device (one small host-to-device copy)."""
+    if isinstance(block_ids, Blocks):
+        return block_ids
+    ids = [int(b) for b in block_ids]
     runs: list[tuple[int, int, int]] = []
-    for i, b in enumerate(block_ids):
+    for i, b in enumerate(ids):
         if runs and runs[-1][2] == b:
-            start, lo, _ = runs[-1]
-            runs[-1] = (start, lo, b + 1)
+            runs[-1] = (runs[-1][0], runs[-1][1], b + 1)
         else:
             runs.append((i, b, b + 1))
-    return runs
+    few = tuple(runs) if 0 < len(runs) <= _MAX_SLICES else None
+    return Blocks(torch.tensor(ids, dtype=torch.long, device=device), few)
+
+
+def _select(view: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    """``view``'s entries for ``blocks`` along its first axis: a slice when consecutive."""
+    if blocks.run is not None:
+        return view[blocks.run[0] : blocks.run[1]]
+    return view.index_select(0, blocks.ids)
+
+
+def _assign(view: torch.Tensor, blocks: Blocks, src: torch.Tensor) -> None:
+    """``src`` into ``view``'s entries for ``blocks``: one indexed copy, or a slice copy per
+    run when there are few."""
+    if blocks.runs is None:
+        view.index_copy_(0, blocks.ids, src)
+        return
+    for start, lo, hi in blocks.runs:
+        view[lo:hi].copy_(src[start : start + hi - lo])
 
 
 def _affine_halves(
@@ -215,17 +315,20 @@ def learn_layout(
             f"a block of {list(cache.shape)} holds {block_numel} elements, fewer than the "
             f"{n_elems} of its K and V: a quantized or packed cache kvcloud cannot read"
         )
-    index = torch.arange(n_elems, dtype=torch.long)
+    # the probe is written on the engine's device by the engine's own op; only what it
+    # wrote comes back to the host, to be decoded
+    device = cache.device
+    index = torch.arange(n_elems, dtype=torch.long, device=device)
     passes = max(1, math.ceil(math.log(n_elems, _BASE)))
     found = torch.zeros(block_numel, dtype=torch.long)
     written = torch.ones(block_numel, dtype=torch.bool)
-    slots = torch.arange(block_size, dtype=torch.long, device=cache.device)
+    slots = torch.arange(block_size, dtype=torch.long, device=device)
     for p in range(passes):
         digits = (index // _BASE**p) % _BASE + 1
         kv = digits.view(2, block_size, num_kv_heads, head_dim).to(cache.dtype)
         scratch.zero_()
         layer.impl.do_kv_cache_update(layer, kv[0].contiguous(), kv[1].contiguous(), scratch, slots)
-        seen = scratch.select(block_dim, 0).reshape(-1).to(torch.float64).round().long()
+        seen = scratch.select(block_dim, 0).reshape(-1).to(torch.float64).cpu().round().long()
         written &= seen > 0
         found += (seen - 1).clamp(min=0) * _BASE**p
     positions = torch.full((n_elems,), -1, dtype=torch.long)

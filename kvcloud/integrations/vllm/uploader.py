@@ -24,8 +24,9 @@ log = logging.getLogger("vllm.kvcloud")
 
 _BATCH = 16
 
-# tenant, fingerprint, parent, KV, and what to call once the KV is no longer needed
-_Item = tuple[str, bytes, bytes, np.ndarray, Callable[[], None] | None]
+# tenant, fingerprint, parent, KV, what to call once the KV is no longer needed, and what
+# to wait on before reading the KV (a device's copy into it may still be in flight)
+_Item = tuple[str, bytes, bytes, np.ndarray, Callable[[], None] | None, Callable[[], None] | None]
 
 
 def lower_priority(nice: int) -> None:
@@ -69,11 +70,13 @@ class Uploader:
         parent: bytes,
         kv: np.ndarray,
         done: Callable[[], None] | None = None,
+        ready: Callable[[], None] | None = None,
     ) -> bool:
         """Queue one chunk; False (and counted) when the queue is full. ``done`` is called
-        once the chunk's KV has been pushed or given up on (never when refused here)."""
+        once the chunk's KV has been pushed or given up on (never when refused here);
+        ``ready`` is waited on, on the uploader's thread, before the KV is read."""
         try:
-            self._queue.put_nowait((tenant, fp, parent, kv, done))
+            self._queue.put_nowait((tenant, fp, parent, kv, done, ready))
         except queue.Full:
             self.count(upload_dropped=1)
             return False
@@ -102,13 +105,15 @@ class Uploader:
         try:
             self._push_batch(batch)
         finally:
-            for *_, done in batch:
+            for *_, done, _ready in batch:
                 if done is not None:
                     done()
 
     def _push_batch(self, batch: list[_Item]) -> None:
         by_tenant: dict[str, list[tuple[bytes, bytes, np.ndarray]]] = {}
-        for tenant, fp, parent, kv, _ in batch:
+        for tenant, fp, parent, kv, _, ready in batch:
+            if ready is not None:
+                ready()
             by_tenant.setdefault(tenant, []).append((fp, parent, kv))
         for tenant, chunks in by_tenant.items():
             try:

@@ -52,7 +52,8 @@ from ...indexes.base import IndexEntry
 from ...namespace import Namespace
 from .._torch import to_numpy
 from .config import VLLMConnectorConfig
-from .layout import BlockLayout, learn_layout
+from .device import PASSED, Fence, Streams
+from .layout import BlockLayout, block_index, learn_layout
 from .specs import NULL_BLOCK, KVCloudWorkerMeta, LoadSpec, SaveSpec
 from .uploader import Uploader
 
@@ -80,13 +81,30 @@ class _Load:
     abandoned: bool = False  # reported as failed: the thread must not touch vLLM's blocks
     ended: float = 0.0  # when the thread was done with it (monotonic), 0 while running
     pulled: int = 0  # bytes pulled
+    after: Fence = PASSED  # the engine's work queued before the blocks were handed over
 
 
 @dataclass
 class _Save:
     spec: SaveSpec
     staging: list[torch.Tensor]  # one [layers, 2, chunk_tokens, heads, dim] per chunk
+    ids: list[torch.Tensor]  # each chunk's block ids, on the cache's device
     layers_done: set[int] = field(default_factory=set)
+
+
+def _spans(block_ids: list[int]) -> list[tuple[int, int]]:
+    """The runs of a chunk's block slots to write: blocks vLLM already holds (-1, a prefix)
+    and a sliding window's null blocks are skipped. Usually one span, the whole chunk or its
+    tail after vLLM's own prefix hit."""
+    spans: list[tuple[int, int]] = []
+    for k, b in enumerate(block_ids):
+        if b < 0 or b == NULL_BLOCK:
+            continue
+        if spans and spans[-1][1] == k:
+            spans[-1] = (spans[-1][0], k + 1)
+        else:
+            spans.append((k, k + 1))
+    return spans
 
 
 class _BufferPool:
@@ -94,8 +112,11 @@ class _BufferPool:
     memory costs page faults on first touch (several ms per chunk), reused memory does not.
     At most ``keep`` idle buffers are kept; the uploader's queue bounds those in use."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, keep: int) -> None:
+    def __init__(
+        self, shape: tuple[int, ...], dtype: torch.dtype, keep: int, alloc: Any = None
+    ) -> None:
         self.shape, self.dtype, self.keep = shape, dtype, keep
+        self.alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
@@ -103,7 +124,7 @@ class _BufferPool:
         with self._lock:
             if self._free:
                 return self._free.pop()
-        return torch.empty(self.shape, dtype=self.dtype)
+        return self.alloc(self.shape, self.dtype)
 
     def give(self, buf: torch.Tensor) -> None:
         with self._lock:
@@ -156,8 +177,13 @@ class WorkerSide:
         self._kept: torch.Tensor | None = None  # staging reused across restores
         self._kept_users: list[_Load] = []
         self._saves: list[_Save] = []
+        # the engine's device, learned from its caches (register_kv_caches)
+        self.streams = Streams("cpu")
         self._buffers = _BufferPool(
-            tuple(ns.kv_shape(ns.chunk_tokens)), _TORCH_DTYPES[ns.dtype], cfg.upload_queue
+            tuple(ns.kv_shape(ns.chunk_tokens)),
+            _TORCH_DTYPES[ns.dtype],
+            cfg.upload_queue,
+            alloc=lambda shape, dtype: self.streams.host_empty(shape, dtype),
         )
         self._failed_blocks: set[int] = set()
         self.store_breaker = cfg.breaker("store", clock, self._breaker_changed)
@@ -213,6 +239,7 @@ class WorkerSide:
             self.layer_index[name] = i
             self.layouts[name] = layout
         first = self.layouts[names[0]]
+        self.streams = Streams(kv_caches[names[0]].device)
         log.info(
             "kvcloud: learned vLLM's KV layout: cache %s %s, block axis %d, %s block interior",
             list(kv_caches[names[0]].shape),
@@ -233,12 +260,13 @@ class WorkerSide:
         buf = self._staging(sum(len(spec.chunks) for spec in specs))
         shared = self._kept is not None and buf.data_ptr() == self._kept.data_ptr()
         first = 0
+        handed_over = self.streams.mark()
         for spec in specs:
             # one contiguous [layers, 2, chunk_tokens, heads, dim] per chunk, so each
             # object streams straight in and is hashed as it lands
             staging = buf[first : first + len(spec.chunks)]
             first += len(spec.chunks)
-            load = _Load(spec, staging, self._clock() + self._timeout(spec))
+            load = _Load(spec, staging, self._clock() + self._timeout(spec), after=handed_over)
             self._loads[spec.req_id] = load
             if shared:
                 self._kept_users.append(load)
@@ -309,9 +337,9 @@ class WorkerSide:
                 return kept[:n_chunks]
             nbytes = math.prod(shape) * dtype.itemsize
             if nbytes <= self.cfg.staging_mib << 20:
-                self._kept = torch.empty(shape, dtype=dtype)
+                self._kept = self.streams.host_empty(shape, dtype)
                 return self._kept
-        return torch.empty(shape, dtype=dtype)
+        return self.streams.host_empty(shape, dtype)
 
     def _restore(self, load: _Load) -> int:
         """On a load thread: pull and verify into staging, then write into vLLM's blocks
@@ -363,29 +391,32 @@ class WorkerSide:
         if abandoned:
             return 0
         wrote = time.monotonic()
-        for name, layer in self.layer_index.items():
-            self._write_layer(load, name, layer, res.chunks)
+        device = self.streams.device
+        targets = [
+            [(a, b, block_index(ch.block_ids[a:b], device)) for a, b in _spans(ch.block_ids)]
+            for ch in spec.chunks[: res.chunks]
+        ]
+        with self.streams.loading(load.after):
+            for name, layer in self.layer_index.items():
+                self._write_layer(load, name, layer, targets)
         self.count(load_write_us=int(1e6 * (time.monotonic() - wrote)))
         return res.chunks
 
-    def _write_layer(self, load: _Load, name: str, layer: int, n_chunks: int) -> None:
+    def _write_layer(
+        self,
+        load: _Load,
+        name: str,
+        layer: int,
+        targets: list[list[tuple[int, int, torch.Tensor]]],
+    ) -> None:
+        """One layer of every verified chunk into its blocks: one ``index_copy_`` per span of
+        blocks (per chunk, as a rule), whatever the blocks' order in the cache."""
         bs = self.block_size
         cache, layout = self.caches[name], self.layouts[name]
-        for i, ch in enumerate(load.spec.chunks[:n_chunks]):
+        for i, spans in enumerate(targets):
             kv = load.staging[i, layer]  # [2, chunk_tokens, heads, dim]
-            # blocks vLLM already holds are -1, and a sliding window's blocks out of the
-            # window are the null block: write each run of the others in one go
-            k = 0
-            ids = ch.block_ids
-            while k < len(ids):
-                if ids[k] < 0 or ids[k] == NULL_BLOCK:
-                    k += 1
-                    continue
-                end = k
-                while end < len(ids) and ids[end] >= 0 and ids[end] != NULL_BLOCK:
-                    end += 1
-                layout.scatter(cache, ids[k:end], kv[:, k * bs : end * bs])
-                k = end
+            for a, b, ids in spans:
+                layout.scatter(cache, ids, kv[:, a * bs : b * bs])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # a restore in the step is over before start_load_kv returns; others are never read
@@ -479,8 +510,13 @@ class WorkerSide:
         if self.uploader is None or not meta.saves or layer_name not in self.layer_index:
             return
         if not self._saves:
+            device = self.streams.device
             self._saves = [
-                _Save(spec, [self._buffers.take() for _ in spec.chunks])
+                _Save(
+                    spec,
+                    [self._buffers.take() for _ in spec.chunks],
+                    [block_index(ch.block_ids, device) for ch in spec.chunks],
+                )
                 for spec in meta.saves
                 # a chunk partly out of a sliding window is not whole: not saved
                 if not any(b == NULL_BLOCK for ch in spec.chunks for b in ch.block_ids)
@@ -488,19 +524,21 @@ class WorkerSide:
         layer = self.layer_index[layer_name]
         layout = self.layouts[layer_name]
         started = time.monotonic()
-        for save in self._saves:
-            try:
-                for ch, staging in zip(save.spec.chunks, save.staging, strict=True):
-                    layout.gather_into(kv_layer, ch.block_ids, staging[layer])
-                save.layers_done.add(layer)
-            except (LayoutError, RuntimeError, IndexError) as exc:
-                log.warning("kvcloud: could not read %s for saving: %s", layer_name, exc)
+        with self.streams.saving():
+            for save in self._saves:
+                try:
+                    for ids, staging in zip(save.ids, save.staging, strict=True):
+                        layout.gather_into(kv_layer, ids, staging[layer])
+                    save.layers_done.add(layer)
+                except (LayoutError, RuntimeError, IndexError) as exc:
+                    log.warning("kvcloud: could not read %s for saving: %s", layer_name, exc)
         self.count(save_us=int(1e6 * (time.monotonic() - started)))
 
     def wait_for_save(self) -> None:
         saves, self._saves = self._saves, []
-        if self.uploader is None:
+        if self.uploader is None or not saves:
             return
+        copied = self.streams.after_save()
         for save in saves:
             whole = len(save.layers_done) == self.ns.num_layers
             for ch, staging in zip(save.spec.chunks, save.staging, strict=True):
@@ -512,6 +550,7 @@ class WorkerSide:
                         ch.parent,
                         to_numpy(staging),
                         done=lambda buf=staging: self._buffers.give(buf),
+                        ready=copied.wait,
                     )
                 ):
                     self._buffers.give(staging)
