@@ -292,7 +292,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             }
             for r in recs
         ]
-        keys = [r.entry.object_key for r in recs]
+        keys = [k for r in recs for k in r.entry.keys]  # a chunk's parts, each
     elif "/" in target:
         keys = [target]
     else:

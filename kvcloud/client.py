@@ -52,6 +52,7 @@ from .segment import (
     digest_from_key,
     encode_segment,
     encode_segment_parts,
+    part_layout,
     read_segment_into,
 )
 from .sessions import SessionRecord, pack_record, unpack_record
@@ -379,6 +380,51 @@ class KVCloud(Closing):
             ) from errors[0]
         return result
 
+    def store_part(
+        self,
+        ns: Namespace,
+        fp: bytes,
+        parent: bytes,
+        kv: np.ndarray,
+        heads: tuple[int, int],
+        *,
+        codec: str | None = None,
+        tenant: str | None = None,
+    ) -> tuple[str, int]:
+        """Store one part of a chunk, KV heads [lo, hi) of the namespace's (``kv`` is
+        ``[layers, 2, tokens, hi - lo, head_dim]``), as an object of its own, and return its
+        key and size. No index entry names it yet: whoever knows when every part is stored
+        (the engine's scheduler, told by each tensor-parallel rank) registers the chunk with
+        ``register_parts``. Until then the chunk is a miss (DESIGN §4: no entry before its
+        objects); a part never registered is collected by gc like any unreferenced object."""
+        codec = ns.quant or codec or self.config.codec
+        seg = encode_segment_parts(
+            ns,
+            fp,
+            parent,
+            kv,
+            codec=codec,
+            key=self._write_key(tenant),
+            version=self.config.segment_version,
+            heads=heads,
+        )
+        okey = seg.key()
+        created = self._put_or_revive(okey, seg.parts)
+        self._count(objects_written=int(created), bytes_pushed=seg.size if created else 0)
+        return okey, seg.size
+
+    def register_parts(
+        self, ns: Namespace, fp: bytes, keys: Sequence[str], n_tokens: int, size: int
+    ) -> bool:
+        """Register a chunk stored in parts (``keys`` in head order, equal head ranges, each
+        already stored by ``store_part``). True if the entry was created now."""
+        if ns.num_kv_heads % len(keys):
+            raise LayoutError(f"{len(keys)} parts cannot split {ns.num_kv_heads} KV heads evenly")
+        entry = IndexEntry.of_parts(keys, n_tokens, size, time.time())
+        created = self.index.register(ns.id, fp.hex(), entry)
+        self._count(chunks_pushed=int(created))
+        return created
+
     @staticmethod
     def _attempt(fn: Any, arg: Any) -> Any:
         try:
@@ -469,26 +515,81 @@ class KVCloud(Closing):
         n_ok, failures, nbytes = self._pull_into(m, dests)
         return PullResult(out[:, :, : n_ok * c], n_ok * c, n_ok, nbytes, failures)
 
-    def pull_into(self, m: Match, dests: Sequence[np.ndarray]) -> PullResult:
-        """Pull chunk i of the match into ``dests[i]`` (e.g. free KV-cache pages)."""
+    def pull_into(
+        self,
+        m: Match,
+        dests: Sequence[np.ndarray],
+        *,
+        heads: tuple[int, int] | None = None,
+    ) -> PullResult:
+        """Pull chunk i of the match into ``dests[i]`` (e.g. free KV-cache pages).
+
+        With ``heads`` (lo, hi) the destinations hold only KV heads [lo, hi) of the
+        namespace's (``[layers, 2, chunk_tokens, hi - lo, head_dim]``: what one tensor-parallel
+        rank holds), and only those are pulled: from a chunk stored in parts, the parts that
+        overlap them; from one stored whole, the object, of which they are kept."""
         if len(dests) < len(m.chunks):
             raise LayoutError(f"{len(dests)} destinations for {len(m.chunks)} chunks")
-        dests = [m.ns.check_array(d, m.ns.chunk_tokens) for d in dests[: len(m.chunks)]]
-        n_ok, failures, nbytes = self._pull_into(m, dests)
+        c = m.ns.chunk_tokens
+        if heads is None:
+            dests = [m.ns.check_array(d, c) for d in dests[: len(m.chunks)]]
+        else:
+            want = m.ns.kv_shape(c)[:3] + part_layout(m.ns, heads)[1:]
+            for d in dests[: len(m.chunks)]:
+                if tuple(d.shape) != want or d.dtype.itemsize != m.ns.dtype_info.itemsize:
+                    raise LayoutError(
+                        f"a destination for KV heads [{heads[0]}, {heads[1]}) is {list(want)} "
+                        f"of {m.ns.dtype}, got {list(d.shape)} of {d.dtype}"
+                    )
+        n_ok, failures, nbytes = self._pull_into(m, dests, heads)
         empty = np.empty(m.ns.kv_shape(0), dtype=m.ns.dtype_info.storage)
-        return PullResult(empty, n_ok * m.ns.chunk_tokens, n_ok, nbytes, failures)
+        return PullResult(empty, n_ok * c, n_ok, nbytes, failures)
 
     def _pull_into(
-        self, m: Match, dests: Sequence[np.ndarray]
+        self, m: Match, dests: Sequence[np.ndarray], heads: tuple[int, int] | None = None
     ) -> tuple[int, list[tuple[int, str]], int]:
         ns = m.ns
         dkey = self.data_key(m.tenant)
         must_encrypt = self.encrypts(m.tenant)
+        lo, hi = heads if heads is not None else (0, ns.num_kv_heads)
 
         def fetch(i: int) -> tuple[str, int]:
             ref = m.chunks[i]
-            key = ref.entry.object_key
-            dest = dests[i]
+            keys = ref.entry.keys
+            if len(keys) == 1 and heads is None:
+                return fetch_object(ref, keys[0], dests[i], None)
+            if ns.num_kv_heads % len(keys):
+                log.warning("entry %s names %d parts of %d KV heads", ref.fp.hex()[:16],
+                            len(keys), ns.num_kv_heads)  # fmt: skip
+                return "corrupt:parts", 0
+            width = ns.num_kv_heads // len(keys)
+            total = 0
+            for j, key in enumerate(keys):
+                p_lo, p_hi = j * width, (j + 1) * width
+                a, b = max(p_lo, lo), min(p_hi, hi)
+                if a >= b:
+                    continue  # a part holding none of the heads asked for
+                part = None if len(keys) == 1 else (p_lo, p_hi)
+                target = dests[i][:, :, :, a - lo : b - lo]
+                if (a, b) == (p_lo, p_hi):
+                    reason, size = fetch_object(ref, key, target, part)
+                else:
+                    # an object wider than the heads asked for: pulled whole, sliced here
+                    room = np.empty(
+                        (*ns.kv_shape(ns.chunk_tokens)[:3], p_hi - p_lo, ns.head_dim),
+                        dtype=dests[i].dtype,
+                    )
+                    reason, size = fetch_object(ref, key, room, part)
+                    if reason == "ok":
+                        target[...] = room[:, :, :, a - p_lo : b - p_lo]
+                if reason != "ok":
+                    return reason, 0
+                total += size
+            return "ok", total
+
+        def fetch_object(
+            ref: ChunkRef, key: str, dest: np.ndarray, part: tuple[int, int] | None
+        ) -> tuple[str, int]:
             try:
                 # stream straight into the destination (a KV page, or a chunk's slice of one
                 # array, block by block): no copy of the object is ever held, and hashing
@@ -504,6 +605,7 @@ class KVCloud(Closing):
                         n_tokens=ns.chunk_tokens,
                         key=dkey,
                         require_encryption=must_encrypt,
+                        heads=part,
                     )
                 return "ok", size
             except ObjectNotFoundError:

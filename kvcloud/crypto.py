@@ -101,30 +101,32 @@ def segment_aad(
     raw_len: int,
     payload_len: int,
     key_id: str,
+    heads: tuple[int, int] | None = None,
 ) -> bytes:
     """What the tag binds besides the ciphertext: every header field but the nonce.
 
     Built from parsed values, not from the header's wire bytes, so it does not depend on how
-    a msgpack encoder chose to lay out the map.
+    a msgpack encoder chose to lay out the map. A part's head range is appended only when
+    set, so a whole chunk's AAD is what it always was.
     """
-    return msgpack.packb(
-        [
-            _AAD_LABEL,
-            version,
-            ns,
-            bytes(fp),
-            bytes(parent),
-            n_tokens,
-            [int(x) for x in layout],
-            dtype,
-            codec,
-            raw_len,
-            payload_len,
-            ALG,
-            key_id,
-        ],
-        use_bin_type=True,
-    )
+    fields: list[Any] = [
+        _AAD_LABEL,
+        version,
+        ns,
+        bytes(fp),
+        bytes(parent),
+        n_tokens,
+        [int(x) for x in layout],
+        dtype,
+        codec,
+        raw_len,
+        payload_len,
+        ALG,
+        key_id,
+    ]
+    if heads is not None:
+        fields.append([int(heads[0]), int(heads[1])])
+    return msgpack.packb(fields, use_bin_type=True)
 
 
 def synthetic_nonce(key: TenantKey, aad: bytes, plaintext_parts: list[memoryview]) -> bytes:

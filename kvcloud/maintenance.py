@@ -313,17 +313,17 @@ def verify(
                 fresh.append(rec)
         keys = sorted(
             {
-                rec.entry.object_key
+                key
                 for rec in fresh
-                if is_object_key(rec.entry.object_key) and rec.entry.object_key not in checks
+                for key in rec.entry.keys
+                if is_object_key(key) and key not in checks
             }
         )
         checks.update(_check_objects(store, keys, deep, listed))
         for rec in fresh:
-            key = rec.entry.object_key
-            referenced.add(key)
+            referenced.update(rec.entry.keys)
             r.entries_checked += 1
-            problem = _entry_problem(rec, checks.get(key), deep)
+            problem = _entry_problem(rec, checks, deep)
             if problem is None:
                 r.entries_ok += 1
                 continue
@@ -382,29 +382,50 @@ def verify(
     return r
 
 
-def _entry_problem(rec: EntryRecord, check: _ObjectCheck | None, deep: bool) -> Problem | None:
-    key, e = rec.entry.object_key, rec.entry
+def _entry_problem(rec: EntryRecord, checks: dict[str, _ObjectCheck], deep: bool) -> Problem | None:
+    """What is wrong with an entry: its object (or any of its parts) missing, of another
+    size than the entry says (the parts' sizes summed), or, deep, not the object named."""
+    e = rec.entry
+    keys = e.keys
+    total = 0
+    for j, key in enumerate(keys):
 
-    def problem(kind: str, detail: str) -> Problem:
-        return Problem(kind, key, detail, ns=rec.ns, fp=rec.fp)
+        def problem(kind: str, detail: str, key: str = key) -> Problem:
+            return Problem(kind, key, detail, ns=rec.ns, fp=rec.fp)
 
-    if check is None:  # not a kvcloud key: nothing could ever be pulled from it
-        return problem("corrupt", "entry names a malformed object key")
-    if _key_ns(key) != rec.ns:
-        return problem("corrupt", f"object key is in namespace {_key_ns(key)}, entry in {rec.ns}")
-    if not check.present:
-        return problem("missing", "object not found")
-    if check.size != e.size:
-        return problem("wrong_size", f"object is {check.size} bytes, entry says {e.size}")
-    if deep:
-        if check.error is not None:
-            return problem("corrupt", check.error)
-        h = check.header
-        assert h is not None
-        if h.fp.hex() != rec.fp:
-            return problem("corrupt", f"header fingerprint {h.fp.hex()[:16]}… != entry's")
-        if h.n_tokens != e.n_tokens:
-            return problem("corrupt", f"header holds {h.n_tokens} tokens, entry {e.n_tokens}")
+        check = checks.get(key)
+        if check is None:  # not a kvcloud key: nothing could ever be pulled from it
+            return problem("corrupt", "entry names a malformed object key")
+        if _key_ns(key) != rec.ns:
+            return problem(
+                "corrupt", f"object key is in namespace {_key_ns(key)}, entry in {rec.ns}"
+            )
+        if not check.present:
+            return problem("missing", "object not found")
+        total += check.size
+        if len(keys) == 1 and check.size != e.size:
+            return problem("wrong_size", f"object is {check.size} bytes, entry says {e.size}")
+        if deep:
+            if check.error is not None:
+                return problem("corrupt", check.error)
+            h = check.header
+            assert h is not None
+            if h.fp.hex() != rec.fp:
+                return problem("corrupt", f"header fingerprint {h.fp.hex()[:16]}… != entry's")
+            if h.n_tokens != e.n_tokens:
+                return problem("corrupt", f"header holds {h.n_tokens} tokens, entry {e.n_tokens}")
+            if len(keys) > 1:
+                heads = h.layout[1] * len(keys)  # equal parts of the chunk's heads
+                want = (j * heads // len(keys), (j + 1) * heads // len(keys))
+                if h.heads != want:
+                    return problem(
+                        "corrupt", f"part {j} holds KV heads {h.heads}, the entry's is {want}"
+                    )
+            elif h.heads is not None:
+                return problem("corrupt", f"entry names one part (KV heads {h.heads}) as whole")
+    if total != e.size:
+        detail = f"{len(keys)} parts hold {total} bytes, entry says {e.size}"
+        return Problem("wrong_size", e.object_key, detail, ns=rec.ns, fp=rec.fp)
     return None
 
 
@@ -425,7 +446,8 @@ def _session_problems(
             problem("session_missing_object", key, "object not found")
         elif deep and check.error is not None:
             problem("session_corrupt_object", key, check.error)
-        elif deep and check.header is not None:
+        elif deep and check.header is not None and (check.header.heads or (0,))[0] == 0:
+            # a chunk stored in parts counts once in the chain: by its first part
             headers.append(check.header)
     if deep and not out and headers:
         # the record's objects must form one fingerprint chain covering its KV tokens
@@ -456,8 +478,8 @@ def _repair(
         if not r.deep and problem.kind in ("missing", "wrong_size"):
             # the shallow verdict may come from the listing taken at the start: look again
             # so an entry whose object was (re)written since is not dropped for nothing
-            info = store.head(key)
-            if info is not None and info.size == rec.entry.size:
+            infos = [store.head(k) for k in rec.entry.keys]
+            if all(infos) and sum(i.size for i in infos if i) == rec.entry.size:
                 continue
         # compare-and-drop: an entry re-registered meanwhile for another object survives
         if index.drop(rec.ns, rec.fp, key):
@@ -602,7 +624,8 @@ def gc(
             entries[(rec.ns, rec.fp)] = rec
         refcount: dict[str, int] = {}
         for rec in entries.values():
-            refcount[rec.entry.object_key] = refcount.get(rec.entry.object_key, 0) + 1
+            for k in rec.entry.keys:
+                refcount[k] = refcount.get(k, 0) + 1
         referenced = set(refcount) | session_keys
         # Bytes as listed: an entry whose object is not in the listing (gone, or written
         # since) frees nothing that this run could measure or delete.
@@ -621,7 +644,7 @@ def gc(
             if total <= max_bytes:
                 break
             key = rec.entry.object_key
-            if key in session_keys:
+            if any(k in session_keys for k in rec.entry.keys):
                 continue  # a session still needs the object: dropping frees nothing
             if dry_run:
                 simulated_drops.add((rec.ns, rec.fp, key))
@@ -631,11 +654,12 @@ def gc(
             if not dropped:
                 continue  # gone or replaced meanwhile; the reference read below sees it
             r.entries_dropped += 1
-            refcount[key] -= 1
-            if refcount[key] == 0:
-                freed = size_of(key)
-                total -= freed
-                r.entry_bytes_dropped += freed
+            for k in rec.entry.keys:  # a chunk's parts go with it
+                refcount[k] -= 1
+                if refcount[k] == 0:
+                    freed = size_of(k)
+                    total -= freed
+                    r.entry_bytes_dropped += freed
             if progress:
                 progress("dropping least-recently-used entries", 1, None)
         r.referenced_bytes_after = total
@@ -648,7 +672,7 @@ def gc(
     for rec in index.iter_entries():
         n_entries += 1
         if (rec.ns, rec.fp, rec.entry.object_key) not in simulated_drops:
-            referenced_now.add(rec.entry.object_key)
+            referenced_now.update(rec.entry.keys)
         if progress and n_entries % 1000 == 0:
             progress("reading index entries", 1000, None)
     # sessions written since the first read are references too
@@ -740,7 +764,8 @@ def _sweep_dangling(store: ObjectStore, index: Index, deleted: set[str], r: GcRe
 
     for rec in index.iter_entries():
         key = rec.entry.object_key
-        if key in deleted and still_gone(key) and index.drop(rec.ns, rec.fp, key):
+        parts = rec.entry.keys
+        if any(k in deleted and still_gone(k) for k in parts) and index.drop(rec.ns, rec.fp, key):
             r.dangling_dropped += 1
     try:
         records, _ = _read_sessions(index)

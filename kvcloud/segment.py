@@ -157,6 +157,8 @@ class SegmentHeader:
     raw_len: int
     payload_len: int
     encryption: dict[str, Any]
+    # a part of a chunk: the KV heads [lo, hi) of the namespace's; None for a whole chunk
+    heads: tuple[int, int] | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -190,10 +192,11 @@ class SegmentHeader:
             raw_len=self.raw_len,
             payload_len=self.payload_len,
             key_id=self.key_id or "",
+            heads=self.heads,
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "version": self.version,
             "ns": self.ns,
             "fp": self.fp.hex(),
@@ -209,6 +212,9 @@ class SegmentHeader:
                 k: v.hex() if isinstance(v, bytes) else v for k, v in self.encryption.items()
             },
         }
+        if self.heads is not None:
+            d["heads"] = list(self.heads)
+        return d
 
 
 @dataclass(frozen=True)
@@ -262,7 +268,13 @@ def _seal(
 
 
 def _new_header(
-    ns: Namespace, fp: bytes, parent: bytes, kv: np.ndarray, codec: str, version: int
+    ns: Namespace,
+    fp: bytes,
+    parent: bytes,
+    kv: np.ndarray,
+    codec: str,
+    version: int,
+    heads: tuple[int, int] | None = None,
 ) -> tuple[np.ndarray, dict[str, Any], str]:
     """Check what is about to be encoded; return the checked array, the header of an
     unencrypted object (``payload_len`` still 0) and the digest algorithm."""
@@ -277,7 +289,21 @@ def _new_header(
         )
     if len(fp) != FP_BYTES or len(parent) != FP_BYTES:
         raise LayoutError("fingerprints must be 32 bytes")
-    kv = ns.check_array(kv)
+    layout = part_layout(ns, heads)
+    if heads is None:
+        kv = ns.check_array(kv)
+    elif kv.ndim != 5 or (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) != (
+        layout[0],
+        2,
+        layout[1],
+        layout[2],
+    ):
+        raise LayoutError(
+            f"a part of KV heads {_heads_str(heads)} is [layers, 2, tokens, "
+            f"{layout[1]}, {layout[2]}], got {list(kv.shape)}"
+        )
+    elif kv.dtype.itemsize != ns.dtype_info.itemsize:
+        raise LayoutError(f"array dtype {kv.dtype} does not match the namespace's {ns.dtype}")
     n_tokens = kv.shape[2]
     if not 0 < n_tokens <= ns.chunk_tokens:
         raise LayoutError(f"a segment holds 1..{ns.chunk_tokens} tokens, got {n_tokens}")
@@ -287,13 +313,15 @@ def _new_header(
         "fp": bytes(fp),
         "parent": bytes(parent),
         "n": n_tokens,
-        "layout": list(ns.layout),
+        "layout": list(layout),
         "dtype": ns.dtype,
         "codec": codec,
-        "raw_len": n_tokens * ns.bytes_per_token,
+        "raw_len": n_tokens * ns.bytes_per_token * layout[1] // ns.num_kv_heads,
         "payload_len": 0,
         "enc": {"alg": "none"},
     }
+    if heads is not None:
+        header["heads"] = [int(heads[0]), int(heads[1])]
     return kv, header, DIGEST_ALGS[version]
 
 
@@ -307,14 +335,17 @@ def encode_segment(
     *,
     key: TenantKey | None = None,
     version: int = SEGMENT_VERSION,
+    heads: tuple[int, int] | None = None,
 ) -> EncodedSegment:
     """Encode one segment ``[layers, 2, n_tokens, kv_heads, head_dim]`` into object bytes.
 
     With ``key`` the payload is encrypted (after compression) and the object is still
     deterministic: the same chunk under the same key always encodes to the same bytes.
     ``version`` 1 writes the SHA-256-addressed format older builds read (tests, rollbacks).
+    With ``heads`` (lo, hi) the object is a part: KV heads [lo, hi) of the chunk, ``kv``
+    ``[layers, 2, n_tokens, hi - lo, head_dim]``.
     """
-    kv, header, alg = _new_header(ns, fp, parent, kv, codec, version)
+    kv, header, alg = _new_header(ns, fp, parent, kv, codec, version, heads)
     raw_len = header["raw_len"]
     if codec == "raw" and key is not None:
         return _seal(header, _plain_parts(kv), raw_len, key, alg)
@@ -373,6 +404,7 @@ def encode_segment_parts(
     *,
     key: TenantKey | None = None,
     version: int = SEGMENT_VERSION,
+    heads: tuple[int, int] | None = None,
 ) -> SegmentParts:
     """encode_segment for a store that can write scattered buffers (``file://``'s writev).
 
@@ -383,9 +415,11 @@ def encode_segment_parts(
     through encode_segment (they produce a new buffer in any case).
     """
     if codec != "raw" or key is not None:
-        seg = encode_segment(ns, fp, parent, kv, codec, level, key=key, version=version)
+        seg = encode_segment(
+            ns, fp, parent, kv, codec, level, key=key, version=version, heads=heads
+        )
         return SegmentParts(seg.digest, (seg.data,), seg.header, len(seg.data))
-    kv, header, alg = _new_header(ns, fp, parent, kv, "raw", version)
+    kv, header, alg = _new_header(ns, fp, parent, kv, "raw", version, heads)
     raw_len = header["payload_len"] = header["raw_len"]
     hbytes = _pack_header(header)
     head = _PREFIX.pack(MAGIC, len(hbytes)) + hbytes
@@ -467,6 +501,15 @@ def _parse_header(h: Any) -> SegmentHeader:
             raise MalformedHeaderError("int8 payload length disagrees with the shape")
     if payload_len < overhead:
         raise MalformedHeaderError("encrypted payload is shorter than its tag")
+    part = None
+    if "heads" in h:
+        rng = _field(h, "heads", list)
+        if len(rng) != 2 or any(type(x) is not int for x in rng):
+            raise MalformedHeaderError("heads must be two ints")
+        lo, hi = rng
+        if not 0 <= lo < hi < 1 << 20 or hi - lo != layout[1]:
+            raise MalformedHeaderError(f"heads [{lo}, {hi}) disagree with the layout's {layout[1]}")
+        part = (lo, hi)
     return SegmentHeader(
         version=version,
         ns=ns,
@@ -479,6 +522,7 @@ def _parse_header(h: Any) -> SegmentHeader:
         raw_len=raw_len,
         payload_len=payload_len,
         encryption=dict(enc),
+        heads=part,
     )
 
 
@@ -516,12 +560,20 @@ def check_header(
     fp: bytes | None = None,
     parent: bytes | None = None,
     n_tokens: int | None = None,
+    heads: tuple[int, int] | None = None,
 ) -> None:
-    """A well-formed object can still be the wrong one (swapped out of band): compare."""
+    """A well-formed object can still be the wrong one (swapped out of band): compare.
+
+    With ``ns``, ``heads`` is the part asked for: KV heads [lo, hi) of the namespace's, or
+    None for a whole chunk; an object holding anything else is the wrong one."""
     if ns is not None:
+        if header.heads != (None if heads is None else tuple(heads)):
+            raise HeaderMismatchError(
+                f"object holds KV heads {_heads_str(header.heads)}, asked for {_heads_str(heads)}"
+            )
         if header.ns != ns.id:
             raise HeaderMismatchError(f"object belongs to namespace {header.ns}, not {ns.id}")
-        if header.layout != ns.layout or header.dtype != ns.dtype:
+        if header.layout != part_layout(ns, header.heads) or header.dtype != ns.dtype:
             raise HeaderMismatchError("object layout or dtype differs from the namespace")
         if header.n_tokens > ns.chunk_tokens:
             raise HeaderMismatchError("object holds more tokens than a chunk")
@@ -538,6 +590,20 @@ def check_header(
         raise HeaderMismatchError("object parent fingerprint breaks the chain")
     if n_tokens is not None and header.n_tokens != n_tokens:
         raise HeaderMismatchError(f"object holds {header.n_tokens} tokens, expected {n_tokens}")
+
+
+def _heads_str(heads: tuple[int, int] | None) -> str:
+    return "all" if heads is None else f"[{heads[0]}, {heads[1]})"
+
+
+def part_layout(ns: Namespace, heads: tuple[int, int] | None) -> tuple[int, int, int]:
+    """The layout of a part holding KV heads [lo, hi) of ``ns`` (the whole chunk's for None)."""
+    if heads is None:
+        return ns.layout
+    lo, hi = heads
+    if not 0 <= lo < hi <= ns.num_kv_heads:
+        raise LayoutError(f"KV heads [{lo}, {hi}) out of the namespace's {ns.num_kv_heads}")
+    return (ns.num_layers, hi - lo, ns.head_dim)
 
 
 def _check_encryption(
@@ -599,11 +665,13 @@ def decode_segment(
     out: np.ndarray | None = None,
     key: TenantKey | None = None,
     require_encryption: bool = False,
+    heads: tuple[int, int] | None = None,
 ) -> DecodedSegment:
     """Verify and decode an object. With ``out``, the KV is copied into it and it is returned.
 
     ``digest`` is the expected content digest (the key's last component); give it whenever the
-    bytes came from a store. The other arguments say what the caller asked for. ``key``
+    bytes came from a store. The other arguments say what the caller asked for (``heads``:
+    the part, with ``ns``). ``key``
     decrypts an encrypted object (DecryptionError without it, or with another tenant's);
     ``require_encryption`` refuses a plaintext one.
     """
@@ -613,7 +681,7 @@ def decode_segment(
     header, offset = read_header(view)
     if digest is not None:
         _check_version_alg(header, digest_alg(digest))
-    check_header(header, ns=ns, fp=fp, parent=parent, n_tokens=n_tokens)
+    check_header(header, ns=ns, fp=fp, parent=parent, n_tokens=n_tokens, heads=heads)
     if ns is None and header.raw_len > MAX_UNBOUND_RAW_LEN:
         raise TruncatedObjectError(
             f"object declares {header.raw_len} bytes; decode it with its namespace"
@@ -694,6 +762,7 @@ def read_segment_into(
     n_tokens: int | None = None,
     key: TenantKey | None = None,
     require_encryption: bool = False,
+    heads: tuple[int, int] | None = None,
 ) -> tuple[SegmentHeader, int]:
     """Decode an object from a stream into ``out`` without holding the object in memory.
     Returns the header and the object's size in bytes.
@@ -723,6 +792,7 @@ def read_segment_into(
             n_tokens=n_tokens,
             key=key,
             require_encryption=require_encryption,
+            heads=heads,
         )
     except CorruptObjectError as exc:
         if alg is None or isinstance(exc, DigestMismatchError):
@@ -773,6 +843,7 @@ def _read_segment_into(
     n_tokens: int | None,
     key: TenantKey | None,
     require_encryption: bool,
+    heads: tuple[int, int] | None = None,
 ) -> tuple[SegmentHeader, int]:
     prefix = _read_exact(reader, _PREFIX.size, "prefix")
     h.update(prefix)
@@ -790,7 +861,7 @@ def _read_segment_into(
     header = _parse_header(hd)
     if alg is not None:
         _check_version_alg(header, alg)
-    check_header(header, ns=ns, fp=fp, parent=parent, n_tokens=n_tokens)
+    check_header(header, ns=ns, fp=fp, parent=parent, n_tokens=n_tokens, heads=heads)
     if ns is None and header.raw_len > MAX_UNBOUND_RAW_LEN:
         raise TruncatedObjectError("object declares too many bytes; decode it with its namespace")
     storage = np.dtype(DTYPES[header.dtype].storage)

@@ -11,6 +11,7 @@ import msgpack
 import numpy as np
 
 from .errors import CorruptObjectError
+from .indexes.base import PART_SEP
 
 SESSION_RECORD_VERSION = 1
 
@@ -53,8 +54,10 @@ class SessionRecord:
 
     @property
     def object_keys(self) -> list[str]:
-        """Every object this record needs (gc must keep them)."""
-        return [*self.chunk_keys, *([self.tail_key] if self.tail_key else [])]
+        """Every object this record needs (gc must keep them): a chunk stored in parts (its
+        key joins the parts' keys, as the index entry it was taken from) needs each part."""
+        keys = [k for chunk in self.chunk_keys for k in chunk.split(PART_SEP)]
+        return [*keys, *([self.tail_key] if self.tail_key else [])]
 
 
 def pack_record(record: SessionRecord) -> bytes:

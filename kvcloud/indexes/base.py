@@ -13,14 +13,36 @@ from .._closing import Closing
 DEFAULT_TTL_SECONDS = 7 * 24 * 3600
 
 
+# separates the keys of a chunk stored in parts (no object key contains it)
+PART_SEP = ","
+
+
 @dataclass(frozen=True, slots=True)
 class IndexEntry:
-    """What the index knows about one (namespace, fingerprint)."""
+    """What the index knows about one (namespace, fingerprint).
 
-    object_key: str  # store-relative key of the segment object
+    A chunk stored whole names one object. A chunk stored in parts (by an engine that shards
+    its KV heads over tensor-parallel ranks, each rank writing the heads it holds) names every
+    part, in head order, joined by ``PART_SEP``: part j of P holds KV heads
+    [j·H/P, (j+1)·H/P) of the namespace's H. The entry is registered once every part is
+    stored, so a lookup still answers in one round trip with everything a pull needs.
+    """
+
+    object_key: str  # store-relative key of the segment object (or the parts' keys)
     n_tokens: int
-    size: int  # bytes of the stored object
+    size: int  # bytes of the stored object (of every part, summed)
     created: float  # unix seconds when first registered
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The objects this entry names: one, or a chunk's parts in head order."""
+        return tuple(self.object_key.split(PART_SEP))
+
+    @classmethod
+    def of_parts(cls, keys: Sequence[str], n_tokens: int, size: int, created: float) -> IndexEntry:
+        if not keys or any(not k or PART_SEP in k for k in keys):
+            raise ValueError(f"part keys must be non-empty and free of {PART_SEP!r}")
+        return cls(PART_SEP.join(keys), n_tokens, size, created)
 
     def pack(self) -> bytes:
         return msgpack.packb([self.object_key, self.n_tokens, self.size, self.created])

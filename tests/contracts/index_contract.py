@@ -14,7 +14,13 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvcloud.indexes.base import DEFAULT_TTL_SECONDS, EntryRecord, Index, IndexEntry
+from kvcloud.indexes.base import (
+    DEFAULT_TTL_SECONDS,
+    PART_SEP,
+    EntryRecord,
+    Index,
+    IndexEntry,
+)
 
 IndexFactory = Callable[..., Index]
 
@@ -174,6 +180,20 @@ class IndexContract:
         assert index.drop(NS, fp(1), object_key=entry(1).object_key) is True
         assert index.lookup(NS, [fp(1)]) == [None]
         assert index.drop(NS, fp(1), object_key=entry(1).object_key) is False
+
+    def test_an_entry_naming_a_chunks_parts(self, index: Index) -> None:
+        """A chunk stored in parts (one per tensor-parallel rank) is one entry naming every
+        part: it comes back whole from lookup, lookup_run and iter_entries, and drops by
+        compare-and-drop on the whole name only."""
+        parts = [f"{NS}/{i:02x}/{i:064x}.b3" for i in (7, 8, 9, 10)]
+        e = IndexEntry.of_parts(parts, 256, 4 * 1000, 1_700_000_000.0)
+        assert e.keys == tuple(parts) and e.object_key.count(PART_SEP) == 3
+        assert index.register(NS, fp(1), e) is True
+        assert index.lookup(NS, [fp(1)]) == [e]
+        assert index.lookup_run(NS, [fp(1), fp(2)]) == [e]
+        assert [r.entry.keys for r in index.iter_entries(NS)] == [tuple(parts)]
+        assert index.drop(NS, fp(1), object_key=parts[0]) is False
+        assert index.drop(NS, fp(1), object_key=e.object_key) is True
 
     # -- expiry -----------------------------------------------------------------------------
 

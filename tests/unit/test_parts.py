@@ -1,0 +1,206 @@
+"""A chunk stored in parts by KV-head range (what each tensor-parallel rank of an engine
+holds), read back by any head range: the whole chunk (a TP-1 reader, kvcloud's own worker),
+one part (a rank of the same TP size), or a range across parts or inside a whole object (a
+rank of another TP size). Checked against the array that was stored, on the embedded
+backends; verify and gc keep and check every part.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvcloud import KVCloud, Namespace
+from kvcloud.errors import HeaderMismatchError, LayoutError, MalformedHeaderError
+from kvcloud.indexes.base import IndexEntry
+from kvcloud.maintenance import gc, verify
+from kvcloud.segment import decode_segment, encode_segment
+
+H = 4  # KV heads of the namespace
+
+
+def make_ns() -> Namespace:
+    return Namespace(
+        model="parts", revision="r", num_layers=3, num_kv_heads=H, head_dim=8,
+        dtype="float16", chunk_tokens=16,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def kvc(tmp_path: Path):  # type: ignore[no-untyped-def]
+    c = KVCloud.open(store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db", secret="s")
+    yield c
+    c.close()
+
+
+def stored_in_parts(kvc: KVCloud, ns: Namespace, n_parts: int, chunks: int = 2, **kw):  # type: ignore[no-untyped-def]
+    """``chunks`` chunks of random KV, each stored as ``n_parts`` head ranges and registered
+    once every part is in; returns the tokens and the whole KV."""
+    rng = np.random.default_rng(n_parts)
+    tokens = rng.integers(0, 50_000, chunks * ns.chunk_tokens)
+    kv = rng.standard_normal(ns.kv_shape(len(tokens))).astype(np.float16)
+    fps = kvc.fingerprints(ns, tokens)
+    parents = [ns.digest, *fps[:-1]]
+    w = H // n_parts
+    for i, (fp, parent) in enumerate(zip(fps, parents, strict=True)):
+        chunk = kv[:, :, i * ns.chunk_tokens : (i + 1) * ns.chunk_tokens]
+        ranges = [(j * w, (j + 1) * w) for j in range(n_parts)]
+        stored = [
+            kvc.store_part(ns, fp, parent, chunk[:, :, :, lo:hi], (lo, hi), **kw)
+            for lo, hi in ranges
+        ]
+        assert kvc.lookup(ns, tokens).chunks == tuple(kvc.lookup(ns, tokens).chunks[:i])
+        kvc.register_parts(
+            ns, fp, [k for k, _ in stored], ns.chunk_tokens, sum(s for _, s in stored)
+        )
+    return tokens, kv
+
+
+def pull_heads(kvc: KVCloud, ns: Namespace, tokens, heads):  # type: ignore[no-untyped-def]
+    m = kvc.lookup(ns, tokens)
+    lo, hi = heads
+    dests = [
+        np.zeros((*ns.kv_shape(ns.chunk_tokens)[:3], hi - lo, ns.head_dim), np.float16)
+        for _ in m.chunks
+    ]
+    res = kvc.pull_into(m, dests, heads=heads)
+    return res, np.concatenate(dests, axis=2) if dests else None
+
+
+@pytest.mark.parametrize("n_parts", [2, 4])
+def test_parts_read_back_by_any_head_range(kvc: KVCloud, n_parts: int) -> None:
+    ns = make_ns()
+    tokens, kv = stored_in_parts(kvc, ns, n_parts)
+    # the whole chunk: a TP-1 reader, or kvcloud's own worker
+    assert np.array_equal(kvc.pull(kvc.lookup(ns, tokens)), kv)
+    for heads in [(0, 2), (2, 4), (1, 3), (3, 4), (0, 4)]:
+        res, got = pull_heads(kvc, ns, tokens, heads)
+        assert res.chunks == 2 and not res.failures, heads
+        assert np.array_equal(got, kv[:, :, :, heads[0] : heads[1]]), heads
+
+
+def test_a_rank_pulls_only_the_parts_it_holds(kvc: KVCloud) -> None:
+    ns = make_ns()
+    tokens, _ = stored_in_parts(kvc, ns, 2, chunks=1)
+    part = kvc.lookup(ns, tokens).chunks[0].entry.size // 2
+    res, _ = pull_heads(kvc, ns, tokens, (2, 4))
+    assert res.bytes == part  # one of the two parts, not the chunk
+
+
+def test_a_whole_chunk_serves_a_narrower_reader(kvc: KVCloud) -> None:
+    """What a TP-1 engine stored, a TP-2 rank reads: its heads of the whole object."""
+    ns = make_ns()
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 50_000, 2 * ns.chunk_tokens)
+    kv = rng.standard_normal(ns.kv_shape(len(tokens))).astype(np.float16)
+    kvc.push(ns, tokens, kv)
+    res, got = pull_heads(kvc, ns, tokens, (2, 4))
+    assert res.chunks == 2 and np.array_equal(got, kv[:, :, :, 2:4])
+
+
+def test_encrypted_parts_round_trip(tmp_path: Path) -> None:
+    ns = make_ns()
+    with KVCloud.open(
+        store=f"file://{tmp_path}/o",
+        index=f"sqlite://{tmp_path}/i.db",
+        secret="s",
+        encrypt_tenants="*",
+    ) as kvc:
+        tokens, kv = stored_in_parts(kvc, ns, 2)
+        raw = (tmp_path / "o").rglob("*.b3")
+        assert not any(kv[:, :, :16, :2].tobytes()[:64] in p.read_bytes() for p in raw)
+        res, got = pull_heads(kvc, ns, tokens, (0, 2))
+        assert res.chunks == 2 and np.array_equal(got, kv[:, :, :, :2])
+
+
+def test_parts_in_the_wrong_order_are_a_miss_never_loaded(kvc: KVCloud) -> None:
+    """An entry naming part 1 where part 0 belongs (a bug, or a forged entry): the header's
+    head range is checked against the range asked for, the chunk is a miss, the entry
+    dropped, and nothing of the wrong part lands in the destination."""
+    ns = make_ns()
+    tokens, _ = stored_in_parts(kvc, ns, 2, chunks=1)
+    fp = kvc.fingerprints(ns, tokens)[0]
+    e = kvc.lookup(ns, tokens).chunks[0].entry
+    swapped = IndexEntry.of_parts(list(reversed(e.keys)), e.n_tokens, e.size, e.created)
+    assert kvc.index.drop(ns.id, fp.hex(), e.object_key)
+    kvc.index.register(ns.id, fp.hex(), swapped)
+    res, _ = pull_heads(kvc, ns, tokens, (0, 4))
+    assert res.chunks == 0 and res.failures[0][1].startswith("corrupt")
+    assert kvc.index.lookup(ns.id, [fp.hex()]) == [None]
+
+
+def test_a_corrupt_part_fails_its_chunk_and_the_ones_after(kvc: KVCloud, tmp_path: Path) -> None:
+    ns = make_ns()
+    tokens, _ = stored_in_parts(kvc, ns, 2)
+    second = kvc.lookup(ns, tokens).chunks[0].entry.keys[1]
+    path = next((tmp_path / "o").rglob(second.rsplit("/", 1)[-1]))
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 1
+    path.write_bytes(bytes(data))
+    res = kvc.pull_detailed(kvc.lookup(ns, tokens))
+    assert res.chunks == 0 and res.failures[0] == (0, "corrupt:DigestMismatchError")
+    # the entry was dropped: the chunk is a miss for every rank, even one whose part is good
+    res, _ = pull_heads(kvc, ns, tokens, (0, 2))
+    assert res.chunks == 0
+
+
+def test_part_headers_are_checked() -> None:
+    ns = make_ns()
+    kv = np.zeros((*ns.kv_shape(16)[:3], 2, 8), np.float16)
+    fp, parent = b"\1" * 32, ns.digest
+    seg = encode_segment(ns, fp, parent, kv, heads=(2, 4))
+    assert seg.header.heads == (2, 4) and seg.header.layout == (3, 2, 8)
+    decode_segment(seg.data, digest=seg.digest, ns=ns, heads=(2, 4))
+    with pytest.raises(HeaderMismatchError, match="heads"):
+        decode_segment(seg.data, digest=seg.digest, ns=ns)  # asked for a whole chunk
+    with pytest.raises(HeaderMismatchError, match="heads"):
+        decode_segment(seg.data, digest=seg.digest, ns=ns, heads=(0, 2))
+    whole = encode_segment(ns, fp, parent, np.zeros(ns.kv_shape(16), np.float16))
+    with pytest.raises(HeaderMismatchError, match="heads"):
+        decode_segment(whole.data, digest=whole.digest, ns=ns, heads=(0, 2))
+    with pytest.raises(LayoutError):
+        encode_segment(ns, fp, parent, kv, heads=(0, 3))  # 2 heads of KV for a range of 3
+    with pytest.raises(LayoutError):
+        encode_segment(ns, fp, parent, kv, heads=(3, 5))  # past the namespace's heads
+    # a header whose range disagrees with its layout is malformed
+    import msgpack
+
+    from kvcloud.segment import _PREFIX, MAGIC, content_digest
+
+    hlen = _PREFIX.unpack_from(seg.data)[1]
+    h = msgpack.unpackb(bytes(seg.data[_PREFIX.size : _PREFIX.size + hlen]))
+    h["heads"] = [1, 4]
+    hb = msgpack.packb(h, use_bin_type=True)
+    forged = _PREFIX.pack(MAGIC, len(hb)) + hb + bytes(seg.data[_PREFIX.size + hlen :])
+    with pytest.raises(MalformedHeaderError):
+        decode_segment(forged, digest=content_digest(forged), ns=ns, heads=(1, 4))
+
+
+def test_verify_and_gc_keep_and_check_every_part(kvc: KVCloud, tmp_path: Path) -> None:
+    ns = make_ns()
+    tokens, _ = stored_in_parts(kvc, ns, 2)
+    rep = verify(kvc.store, kvc.index, deep=True)
+    assert rep.clean and rep.entries_ok == 2 and rep.referenced_objects == 4 and rep.orphans == 0
+    # gc keeps every part an entry names, however old
+    rep = gc(kvc.store, kvc.index, grace_seconds=0, settle_seconds=0)
+    assert rep.objects_deleted == 0
+    assert kvc.pull_detailed(kvc.lookup(ns, tokens)).chunks == 2
+    # a missing part is a missing entry, and repair drops it
+    second = kvc.lookup(ns, tokens).chunks[1].entry.keys[1]
+    kvc.store.delete(second)
+    rep = verify(kvc.store, kvc.index, repair=True)
+    assert rep.missing == 1 and rep.entries_dropped == 1
+    assert [p.object_key for p in rep.problems] == [second]
+    # gc over budget frees the parts of the entries it drops
+    rep = gc(kvc.store, kvc.index, grace_seconds=0, max_bytes=0, settle_seconds=0)
+    assert rep.entries_dropped == 1 and rep.objects_deleted == 3  # 2 parts + the orphan left
+    assert kvc.lookup(ns, tokens).chunks == ()
+
+
+def test_register_parts_refuses_an_uneven_split(kvc: KVCloud) -> None:
+    with pytest.raises(LayoutError):
+        kvc.register_parts(make_ns(), b"\1" * 32, ["a", "b", "c"], 16, 3)
+    with pytest.raises(ValueError):
+        IndexEntry.of_parts(["a,b"], 16, 1, 0.0)
