@@ -128,6 +128,7 @@ def _vllm_config(**over: object) -> SimpleNamespace:
         use_mla=False,
         get_num_layers=lambda pc: 2,
         get_num_kv_heads=lambda pc: 2,
+        get_total_num_kv_heads=lambda: 2,
         get_head_size=lambda: 8,
     )
     for k, v in over.items():

@@ -30,6 +30,7 @@ from .metadata import (
     KVCloudPromMetrics,
 )
 from .scheduler import SchedulerSide
+from .shard import shard_of
 from .specs import KVCloudWorkerMeta
 from .worker import WorkerSide
 
@@ -40,6 +41,15 @@ log = logging.getLogger("vllm.kvcloud")
 
 # kvcloud client counters forwarded to vLLM's metrics under their own names
 _CLIENT_COUNTERS = ("missing_objects", "verify_failures", "store_errors")
+
+
+def _tp_rank(tp: int) -> int:
+    """This worker's tensor-parallel rank (0 without tensor parallelism)."""
+    if tp == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
 
 
 def _route_kvcloud_logs() -> None:
@@ -92,14 +102,22 @@ class KVCloudConnector(KVConnectorBase_V1):
             raise KVCloudConnectorError(msg) from None
         self.ns = ns
         self.client = client
+        tp = int(vllm_config.parallel_config.tensor_parallel_size)
         if role == KVConnectorRole.SCHEDULER:
             # a failed kvcloud load is a miss: vLLM must recompute, not fail the request
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            self._scheduler = SchedulerSide(cfg, ns, client, block_size)
+            parts = shard_of(0, tp, ns.num_kv_heads).parts
+            self._scheduler = SchedulerSide(cfg, ns, client, block_size, parts=parts)
         else:
             self._worker = WorkerSide(
-                cfg, ns, client, vllm_config, kv_cache_config, upload_client=upload_client
+                cfg,
+                ns,
+                client,
+                vllm_config,
+                kv_cache_config,
+                upload_client=upload_client,
+                shard=shard_of(_tp_rank(tp), tp, ns.num_kv_heads),
             )
         log.info(
             "kvcloud connector (%s): store %s, index %s, namespace %s (%s, %d layers, "

@@ -100,11 +100,14 @@ def _draft_kv(spec: Any) -> bool:
 def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
     """Refuse, at start, what the connector would get wrong."""
     pc = vllm_config.parallel_config
-    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
+    if pc.pipeline_parallel_size != 1:
         raise ConfigError(
-            "the kvcloud connector supports tensor_parallel_size=1 and "
-            "pipeline_parallel_size=1 for now (per-shard namespaces are not built yet)"
+            "the kvcloud connector supports pipeline_parallel_size=1 (each stage would hold "
+            "only its own layers of a chunk; stage parts are not built); tensor parallelism "
+            "is supported"
         )
+    if int(getattr(pc, "decode_context_parallel_size", 1) or 1) != 1:
+        raise ConfigError("the kvcloud connector does not support decode context parallelism")
     if getattr(vllm_config.model_config, "use_mla", False):
         raise ConfigError("the kvcloud connector does not support MLA attention caches yet")
     spec = getattr(vllm_config, "speculative_config", None)
@@ -156,7 +159,8 @@ def vllm_namespace(vllm_config: Any, cfg: VLLMConnectorConfig) -> Namespace:
     return Namespace(
         model=f"vllm/{getattr(hf, 'model_type', 'unknown')}",
         num_layers=int(mc.get_num_layers(pc)),
-        num_kv_heads=int(mc.get_num_kv_heads(pc)),
+        # the whole model's KV heads, whatever the TP size: every TP size shares
+        num_kv_heads=int(mc.get_total_num_kv_heads()),
         head_dim=int(mc.get_head_size()),
         revision=cfg.weights_digest or checkpoint_digest(mc.model, getattr(mc, "revision", None)),
         dtype=kv_dtype_name(vllm_config),

@@ -54,11 +54,18 @@ class Uploader:
         capacity: int,
         count: Callable[..., None],
         nice: int = 0,
+        *,
+        part: tuple[int, int] | None = None,
+        stored_part: Callable[[bytes, str, int], None] | None = None,
     ):
         self.client = client
         self.ns = ns
         self.count = count
         self.nice = nice
+        # a tensor-parallel rank stores the KV heads it holds as a part of each chunk and
+        # tells ``stored_part`` (the scheduler side registers the chunk once all are in)
+        self.part = part
+        self.stored_part = stored_part
         self._queue: queue.Queue[_Item | None] = queue.Queue(capacity)
         self._thread = threading.Thread(target=self._run, name="kvcloud-uploader", daemon=True)
         self._thread.start()
@@ -110,6 +117,9 @@ class Uploader:
                     done()
 
     def _push_batch(self, batch: list[_Item]) -> None:
+        if self.part is not None:
+            self._store_parts(batch)
+            return
         by_tenant: dict[str, list[tuple[bytes, bytes, np.ndarray]]] = {}
         for tenant, fp, parent, kv, _, ready in batch:
             if ready is not None:
@@ -130,6 +140,23 @@ class Uploader:
                 chunks_already_stored=res.already_indexed,
                 push_failures=res.failed,
             )
+
+    def _store_parts(self, batch: list[_Item]) -> None:
+        assert self.part is not None
+        for tenant, fp, parent, kv, _, ready in batch:
+            if ready is not None:
+                ready()
+            try:
+                key, size = self.client.store_part(
+                    self.ns, fp, parent, kv, self.part, tenant=tenant
+                )
+            except Exception as exc:  # the uploader must outlive any backend failure
+                log.warning("kvcloud part push failed: %s", exc)
+                self.count(push_failures=1)
+                continue
+            self.count(parts_pushed=1)
+            if self.stored_part is not None:
+                self.stored_part(fp, key, size)
 
     def close(self, timeout: float = 30.0) -> None:
         try:

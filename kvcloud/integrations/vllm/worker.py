@@ -54,6 +54,7 @@ from .._torch import to_numpy
 from .config import VLLMConnectorConfig
 from .device import PASSED, Fence, Streams
 from .layout import BlockLayout, block_index, learn_layout
+from .shard import Shard, shard_of
 from .specs import NULL_BLOCK, KVCloudWorkerMeta, LoadSpec, SaveSpec
 from .uploader import Uploader
 
@@ -153,9 +154,21 @@ class WorkerSide:
         kv_cache_config: Any,
         upload_client: KVCloud | None = None,
         clock: Any = time.monotonic,
+        shard: Shard | None = None,
     ) -> None:
         self.cfg = cfg
         self.ns = ns
+        # the KV heads this rank holds (all of them at TP 1): what it pulls, stores, stages
+        self.shard = shard or shard_of(0, 1, ns.num_kv_heads)
+        self._chunk_shape = (
+            ns.num_layers,
+            2,
+            ns.chunk_tokens,
+            self.shard.num_heads,
+            ns.head_dim,
+        )
+        # parts this rank stored (TP > 1), not yet reported to the scheduler side
+        self._new_parts: list[tuple[bytes, int, str, int]] = []
         self.client = client
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
@@ -165,8 +178,16 @@ class WorkerSide:
         self._stats_lock = threading.Lock()
         self.upload_client = upload_client
         self.uploader = (
-            Uploader(upload_client or client, ns, cfg.upload_queue, self.count, cfg.upload_nice)
-            if cfg.write_policy != "off"
+            Uploader(
+                upload_client or client,
+                ns,
+                cfg.upload_queue,
+                self.count,
+                cfg.upload_nice,
+                part=self.shard.heads,
+                stored_part=self._part_stored,
+            )
+            if cfg.write_policy != "off" and self.shard.writer
             else None
         )
         self._pool = cf.ThreadPoolExecutor(cfg.load_threads, thread_name_prefix="kvcloud-load")
@@ -180,7 +201,7 @@ class WorkerSide:
         # the engine's device, learned from its caches (register_kv_caches)
         self.streams = Streams("cpu")
         self._buffers = _BufferPool(
-            tuple(ns.kv_shape(ns.chunk_tokens)),
+            self._chunk_shape,
             _TORCH_DTYPES[ns.dtype],
             cfg.upload_queue,
             alloc=lambda shape, dtype: self.streams.host_empty(shape, dtype),
@@ -232,7 +253,7 @@ class WorkerSide:
                     cache,
                     num_blocks,
                     self.block_size,
-                    self.ns.num_kv_heads,
+                    self.shard.num_heads,
                     self.ns.head_dim,
                 )
             self.caches[name] = cache
@@ -327,7 +348,7 @@ class WorkerSide:
     def _staging(self, n_chunks: int) -> torch.Tensor:
         """Room for ``n_chunks`` pulled chunks: the kept buffer when it is free and big
         enough (an abandoned pull may still be writing into it), else fresh memory."""
-        shape = (n_chunks, *self.ns.kv_shape(self.ns.chunk_tokens))
+        shape = (n_chunks, *self._chunk_shape)
         dtype = _TORCH_DTYPES[self.ns.dtype]
         free = all(load.future is None or load.future.done() for load in self._kept_users)
         if free:
@@ -366,7 +387,9 @@ class WorkerSide:
     def _pull_and_write(self, load: _Load, m: Match) -> int:
         spec = load.spec
         started = time.monotonic()
-        res = self.client.pull_into(m, list(to_numpy(load.staging[: load.limit])))
+        res = self.client.pull_into(
+            m, list(to_numpy(load.staging[: load.limit])), heads=self.shard.heads
+        )
         log.debug(
             "kvcloud: pulled %d of %d chunks (%d bytes) for %s in %.0f ms",
             res.chunks,
@@ -480,17 +503,23 @@ class WorkerSide:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
+    def _part_stored(self, fp: bytes, key: str, size: int) -> None:
+        """On the uploader's thread: this rank's part of a chunk is stored (TP > 1)."""
+        with self._meta_lock:
+            self._new_parts.append((fp, self.shard.index, key, size))
+
     def build_worker_meta(self) -> KVCloudWorkerMeta | None:
-        """Tell the scheduler side what it should stop offering (only when it changed), and
-        how fast the restores that ended since the last report ran."""
+        """Tell the scheduler side what it should stop offering (only when it changed), how
+        fast the restores that ended since the last report ran, and the parts stored."""
         with self._meta_lock:
             bad, self._new_bad = self._new_bad, {}
+            parts, self._new_parts = self._new_parts, []
             (in_bytes, in_s), (beside_bytes, beside_s) = self._in_step.take(), self._beside.take()
         retry_in = self.store_breaker.retry_in()
         is_open = self.store_breaker.is_open
         changed = is_open != self._store_reported_open
         self._store_reported_open = is_open
-        if not bad and not changed and not in_bytes and not beside_bytes:
+        if not bad and not changed and not in_bytes and not beside_bytes and not parts:
             return None
         return KVCloudWorkerMeta(
             bad_objects=bad,
@@ -500,6 +529,7 @@ class WorkerSide:
             in_step_s=in_s,
             beside_bytes=beside_bytes,
             beside_s=beside_s,
+            parts=parts,
         )
 
     # -- saves ------------------------------------------------------------------------------

@@ -1,0 +1,196 @@
+"""Tensor parallelism without vLLM: two worker sides playing the ranks of a TP-2 vLLM, each
+holding half the KV heads in a cache laid out like vLLM's CPU backend, save a chunk as two
+parts; the scheduler side registers it once both are in; a whole-model reader (a TP-1 vLLM,
+kvcloud's own pull) and each rank of another TP-2 vLLM restore it bit for bit. And the
+reverse: a chunk a TP-1 vLLM stored whole restores into each TP-2 rank's heads.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvcloud import KVCloud  # noqa: E402
+from kvcloud.integrations.vllm.config import VLLMConnectorConfig  # noqa: E402
+from kvcloud.integrations.vllm.layout import learn_layout  # noqa: E402
+from kvcloud.integrations.vllm.scheduler import SchedulerSide  # noqa: E402
+from kvcloud.integrations.vllm.shard import Shard, shard_of  # noqa: E402
+from kvcloud.integrations.vllm.specs import (  # noqa: E402
+    KVCloudWorkerMeta,
+    LoadChunk,
+    LoadSpec,
+    SaveChunk,
+    SaveSpec,
+)
+from kvcloud.integrations.vllm.worker import WorkerSide  # noqa: E402
+from tests.helpers import make_kv, make_ns, make_tokens, same_bits  # noqa: E402
+from tests.unit.test_vllm_layout import cpu_write, layer_for  # noqa: E402
+from tests.unit.test_vllm_worker_loads import finish  # noqa: E402
+
+BS = 8
+N_BLOCKS = 6
+H = 4  # the model's KV heads
+
+
+@pytest.mark.parametrize(
+    ("rank", "tp", "heads", "want"),
+    [
+        (0, 1, 4, Shard(0, 4, 1, True)),
+        (1, 2, 4, Shard(2, 4, 2, True)),
+        (3, 4, 4, Shard(3, 4, 4, True)),
+        # more ranks than KV heads: each head on tp // heads consecutive ranks, the first
+        # of them writes (vLLM's QKVParallelLinear: rank r holds head r // replicas)
+        (2, 4, 2, Shard(1, 2, 2, True)),
+        (3, 4, 2, Shard(1, 2, 2, False)),
+        (5, 8, 1, Shard(0, 1, 1, False)),
+    ],
+)
+def test_shard_of(rank: int, tp: int, heads: int, want: Shard) -> None:
+    assert shard_of(rank, tp, heads) == want
+
+
+def test_shard_of_refuses_what_vllm_cannot_split() -> None:
+    with pytest.raises(ValueError):
+        shard_of(0, 3, 4)
+    with pytest.raises(ValueError):
+        shard_of(2, 2, 4)
+
+
+def rank(tmp_path: Path, shard: Shard, **cfg: object) -> tuple[WorkerSide, KVCloud]:
+    ns = make_ns("float32", num_kv_heads=H)
+    kvc = KVCloud.open(store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db", secret="s")
+    config = VLLMConnectorConfig(**cfg)  # type: ignore[arg-type]
+    vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS))
+    ws = WorkerSide(config, ns, kvc, vllm_config, SimpleNamespace(num_blocks=N_BLOCKS), shard=shard)
+    for layer in range(ns.num_layers):
+        name = f"model.layers.{layer}.self_attn.attn"
+        cache = torch.zeros(N_BLOCKS, shard.num_heads, BS, 2 * ns.head_dim)
+        ws.caches[name], ws.layer_index[name] = cache, layer
+        ws.layouts[name] = learn_layout(
+            layer_for(cpu_write), cache, N_BLOCKS, BS, shard.num_heads, ns.head_dim
+        )
+    return ws, kvc
+
+
+def fill(ws: WorkerSide, kv: np.ndarray, blocks: list[int]) -> None:
+    """What vLLM's forward pass leaves in a rank's blocks: its heads of ``kv``."""
+    lo, hi = ws.shard.lo, ws.shard.hi
+    for name, layer in ws.layer_index.items():
+        part = torch.from_numpy(np.ascontiguousarray(kv[layer, :, :, lo:hi]))
+        ws.layouts[name].scatter(ws.caches[name], blocks, part)
+
+
+def test_a_tp2_save_restores_into_tp1_and_tp2(tmp_path: Path) -> None:
+    ns = make_ns("float32", num_kv_heads=H)
+    tokens = make_tokens(2 * ns.chunk_tokens)
+    kv = make_kv(ns, len(tokens))
+    ranks = [rank(tmp_path, shard_of(r, 2, H)) for r in range(2)]
+    sched_client = KVCloud.open(
+        store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db", secret="s"
+    )
+    sched = SchedulerSide(VLLMConnectorConfig(), ns, sched_client, BS, parts=2)
+    fps = sched_client.fingerprints(ns, tokens)
+    parents = [ns.digest, *fps[:-1]]
+    blocks = [[1, 2], [3, 4]]  # block 0 is vLLM's null block
+    spec = SaveSpec(
+        "req", "default", [SaveChunk(i, fps[i], parents[i], blocks[i]) for i in range(2)]
+    )
+    meta = SimpleNamespace(loads=[], saves=[spec])
+    for ws, _ in ranks:
+        fill(ws, kv, [b for bl in blocks for b in bl])
+        for name in ws.layer_index:
+            ws.save_kv_layer(meta, name, ws.caches[name])  # type: ignore[arg-type]
+        ws.wait_for_save()
+        assert ws.uploader is not None
+        ws.uploader.close()  # waits for the queue to drain
+    reports = [ws.build_worker_meta() for ws, _ in ranks]
+    assert all(r is not None and len(r.parts) == 2 for r in reports)
+    assert sched_client.lookup(ns, tokens).tokens == 0  # parts stored, nothing registered
+    merged = reports[0].aggregate(reports[1])  # type: ignore[union-attr]
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=merged))
+    deadline = time.monotonic() + 10
+    while sched_client.lookup(ns, tokens).tokens < len(tokens):
+        assert time.monotonic() < deadline, "the chunks were never registered"
+        time.sleep(0.01)
+    assert sched.take_stats()["chunks_registered"] == 2
+    m = sched_client.lookup(ns, tokens)
+    assert all(len(ref.entry.keys) == 2 for ref in m.chunks)
+    # a TP-1 reader gets the whole KV, bit for bit
+    assert same_bits(sched_client.pull(m), kv)
+    # each rank of another TP-2 vLLM restores its own heads
+    for r in range(2):
+        ws, _ = rank(tmp_path / f"reader{r}", shard_of(r, 2, H), write_policy="off")
+        ws.client = sched_client
+        chunks = [
+            LoadChunk(ref.position, ref.fp, ref.parent, ref.entry.object_key, ref.entry.size, ids)
+            for ref, ids in zip(m.chunks, [[5, 4], [1, 2]], strict=True)
+        ]
+        load = LoadSpec(f"load{r}", "default", chunks)
+        ws.start_load_kv(SimpleNamespace(loads=[load], saves=[]))  # type: ignore[arg-type]
+        assert finish(ws, load.req_id) == set()
+        lo, hi = ws.shard.lo, ws.shard.hi
+        for name, layer in ws.layer_index.items():
+            got = ws.layouts[name].gather(ws.caches[name], [5, 4, 1, 2]).numpy()
+            assert same_bits(got, np.ascontiguousarray(kv[layer, :, :, lo:hi]))
+        ws.shutdown()
+    for ws, _ in ranks:
+        ws.shutdown()
+    sched.shutdown()
+    sched_client.close()
+
+
+def test_replicas_do_not_write_and_an_incomplete_chunk_is_never_registered(
+    tmp_path: Path,
+) -> None:
+    # TP 4 over 2 KV heads: ranks 1 and 3 hold copies, only ranks 0 and 2 write
+    assert rank(tmp_path, shard_of(1, 4, 2))[0].uploader is None
+    ns = make_ns("float32", num_kv_heads=H)
+    kvc = KVCloud.open(store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db", secret="s")
+    now = [0.0]
+    sched = SchedulerSide(VLLMConnectorConfig(), ns, kvc, BS, clock=lambda: now[0], parts=2)
+    fp = kvc.fingerprints(ns, make_tokens(ns.chunk_tokens))[0]
+    sched.update_connector_output(
+        SimpleNamespace(kv_connector_worker_meta=KVCloudWorkerMeta(parts=[(fp, 0, "k0", 10)]))
+    )
+    now[0] = 500.0  # the other rank's part never comes
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=KVCloudWorkerMeta()))
+    sched.update_connector_output(
+        SimpleNamespace(kv_connector_worker_meta=KVCloudWorkerMeta(parts=[(fp, 1, "k1", 10)]))
+    )
+    time.sleep(0.05)
+    assert kvc.index.lookup(ns.id, [fp.hex()]) == [None]
+    stats = sched.take_stats()
+    assert stats.get("parts_abandoned") == 1 and "chunks_registered" not in stats
+    sched.shutdown()
+    kvc.close()
+
+
+def test_a_tp1_chunk_restores_into_each_tp2_rank(tmp_path: Path) -> None:
+    ns = make_ns("float32", num_kv_heads=H)
+    kvc = KVCloud.open(store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db", secret="s")
+    tokens = make_tokens(2 * ns.chunk_tokens)
+    kv = make_kv(ns, len(tokens))
+    kvc.push(ns, tokens, kv)  # what a TP-1 vLLM stores: whole chunks
+    m = kvc.lookup(ns, tokens)
+    for r in range(2):
+        ws, _ = rank(tmp_path / f"r{r}", shard_of(r, 2, H), write_policy="off")
+        ws.client = kvc
+        chunks = [
+            LoadChunk(ref.position, ref.fp, ref.parent, ref.entry.object_key, ref.entry.size, ids)
+            for ref, ids in zip(m.chunks, [[1, 2], [3, 4]], strict=True)
+        ]
+        load = LoadSpec(f"l{r}", "default", chunks)
+        ws.start_load_kv(SimpleNamespace(loads=[load], saves=[]))  # type: ignore[arg-type]
+        assert finish(ws, load.req_id) == set()
+        lo, hi = ws.shard.lo, ws.shard.hi
+        for name, layer in ws.layer_index.items():
+            got = ws.layouts[name].gather(ws.caches[name], [1, 2, 3, 4]).numpy()
+            assert same_bits(got, np.ascontiguousarray(kv[layer, :, :, lo:hi]))
+        ws.shutdown()
+    kvc.close()
