@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from kvcloud.integrations.vllm.layout import BlockLayout, block_index, learn_layout
+from kvcloud.integrations.vllm.layout import BlockLayout, block_index, learn_layout, runs
 from tests.unit.test_vllm_layout import cpu_split_write, layer_for, split_write
 
 LAYERS, HEADS, DIM = 30, 3, 64
@@ -37,16 +37,6 @@ LAYOUTS = {
 }
 
 
-def runs_of(ids: list[int]) -> list[tuple[int, int, int]]:
-    runs: list[tuple[int, int, int]] = []
-    for i, b in enumerate(ids):
-        if runs and runs[-1][2] == b:
-            runs[-1] = (runs[-1][0], runs[-1][1], b + 1)
-        else:
-            runs.append((i, b, b + 1))
-    return runs
-
-
 def scatter_runs(
     layout: BlockLayout, cache: torch.Tensor, ids: list[int], kv: torch.Tensor
 ) -> None:
@@ -55,7 +45,7 @@ def scatter_runs(
     src = kv.to(cache.device).reshape(2, len(ids), n, h, d)
     for half in (0, 1):
         view = layout._half_view(cache, half)
-        for start, lo, hi in runs_of(ids):
+        for start, lo, hi in runs(ids):
             view[lo:hi].copy_(src[half, start : start + hi - lo])
 
 
@@ -66,7 +56,7 @@ def gather_runs(
     dst = out.view(2, len(ids), n, h, d)
     for half in (0, 1):
         view = layout._half_view(cache, half)
-        for start, lo, hi in runs_of(ids):
+        for start, lo, hi in runs(ids):
             dst[half, start : start + hi - lo].copy_(view[lo:hi])
 
 

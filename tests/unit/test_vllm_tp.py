@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -86,6 +87,27 @@ def fill(ws: WorkerSide, kv: np.ndarray, blocks: list[int]) -> None:
         ws.layouts[name].scatter(ws.caches[name], blocks, part)
 
 
+def restores_its_heads(
+    where: Path, r: int, client: KVCloud, m: Any, kv: np.ndarray, blocks: list[list[int]]
+) -> None:
+    """Rank ``r`` of a TP-2 vLLM restores the match ``m`` into ``blocks``: its caches then
+    hold exactly its heads of ``kv``."""
+    ws, _ = rank(where, shard_of(r, 2, H), write_policy="off")
+    ws.client = client
+    chunks = [
+        LoadChunk(ref.position, ref.fp, ref.parent, ref.entry.object_key, ref.entry.size, ids)
+        for ref, ids in zip(m.chunks, blocks, strict=True)
+    ]
+    load = LoadSpec(f"load{r}", "default", chunks)
+    ws.start_load_kv(SimpleNamespace(loads=[load], saves=[]))  # type: ignore[arg-type]
+    assert finish(ws, load.req_id) == set()
+    lo, hi = ws.shard.lo, ws.shard.hi
+    for name, layer in ws.layer_index.items():
+        got = ws.layouts[name].gather(ws.caches[name], [b for ids in blocks for b in ids])
+        assert same_bits(got.numpy(), np.ascontiguousarray(kv[layer, :, :, lo:hi]))
+    ws.shutdown()
+
+
 def test_a_tp2_save_restores_into_tp1_and_tp2(tmp_path: Path) -> None:
     ns = make_ns("float32", num_kv_heads=H)
     tokens = make_tokens(2 * ns.chunk_tokens)
@@ -125,20 +147,7 @@ def test_a_tp2_save_restores_into_tp1_and_tp2(tmp_path: Path) -> None:
     assert same_bits(sched_client.pull(m), kv)
     # each rank of another TP-2 vLLM restores its own heads
     for r in range(2):
-        ws, _ = rank(tmp_path / f"reader{r}", shard_of(r, 2, H), write_policy="off")
-        ws.client = sched_client
-        chunks = [
-            LoadChunk(ref.position, ref.fp, ref.parent, ref.entry.object_key, ref.entry.size, ids)
-            for ref, ids in zip(m.chunks, [[5, 4], [1, 2]], strict=True)
-        ]
-        load = LoadSpec(f"load{r}", "default", chunks)
-        ws.start_load_kv(SimpleNamespace(loads=[load], saves=[]))  # type: ignore[arg-type]
-        assert finish(ws, load.req_id) == set()
-        lo, hi = ws.shard.lo, ws.shard.hi
-        for name, layer in ws.layer_index.items():
-            got = ws.layouts[name].gather(ws.caches[name], [5, 4, 1, 2]).numpy()
-            assert same_bits(got, np.ascontiguousarray(kv[layer, :, :, lo:hi]))
-        ws.shutdown()
+        restores_its_heads(tmp_path / f"reader{r}", r, sched_client, m, kv, [[5, 4], [1, 2]])
     for ws, _ in ranks:
         ws.shutdown()
     sched.shutdown()
@@ -179,18 +188,5 @@ def test_a_tp1_chunk_restores_into_each_tp2_rank(tmp_path: Path) -> None:
     kvc.push(ns, tokens, kv)  # what a TP-1 vLLM stores: whole chunks
     m = kvc.lookup(ns, tokens)
     for r in range(2):
-        ws, _ = rank(tmp_path / f"r{r}", shard_of(r, 2, H), write_policy="off")
-        ws.client = kvc
-        chunks = [
-            LoadChunk(ref.position, ref.fp, ref.parent, ref.entry.object_key, ref.entry.size, ids)
-            for ref, ids in zip(m.chunks, [[1, 2], [3, 4]], strict=True)
-        ]
-        load = LoadSpec(f"l{r}", "default", chunks)
-        ws.start_load_kv(SimpleNamespace(loads=[load], saves=[]))  # type: ignore[arg-type]
-        assert finish(ws, load.req_id) == set()
-        lo, hi = ws.shard.lo, ws.shard.hi
-        for name, layer in ws.layer_index.items():
-            got = ws.layouts[name].gather(ws.caches[name], [1, 2, 3, 4]).numpy()
-            assert same_bits(got, np.ascontiguousarray(kv[layer, :, :, lo:hi]))
-        ws.shutdown()
+        restores_its_heads(tmp_path / f"r{r}", r, kvc, m, kv, [[1, 2], [3, 4]])
     kvc.close()

@@ -67,8 +67,15 @@ def tiny_namespace(tiny: Path) -> Namespace:
     )  # fmt: skip
 
 
-def restored(server: VLLMServer, before: dict[str, float]) -> float:
-    return server.metrics().get("loaded_tokens", 0) - before.get("loaded_tokens", 0)
+def restore_and_compare(
+    server: VLLMServer, ref: VLLMServer, prompt: list[int], least: int, label: str
+) -> None:
+    """``server`` answers ``prompt`` restoring at least ``least`` tokens from kvcloud, with
+    the greedy answer of ``ref`` (no connector, same TP size)."""
+    before = server.metrics().get("loaded_tokens", 0)
+    got = server.complete(prompt, max_tokens=16)
+    assert server.metrics().get("loaded_tokens", 0) - before >= least, label
+    assert_same_answer(got, ref.complete(prompt, max_tokens=16), label)
 
 
 def test_tp2_prefix_restores_into_tp1(
@@ -84,11 +91,7 @@ def test_tp2_prefix_restores_into_tp1(
     ) as k:
         m = k.lookup(ns, prompt[: 4 * CHUNK])
         assert [len(ref.entry.keys) for ref in m.chunks] == [2, 2, 2, 2]
-    asked = [*prompt, 7, 8, 9]
-    before = servers["T1"].metrics()
-    got = servers["T1"].complete(asked, max_tokens=16)
-    assert restored(servers["T1"], before) >= 3 * CHUNK
-    assert_same_answer(got, servers["R1"].complete(asked, max_tokens=16), "tp2->tp1")
+    restore_and_compare(servers["T1"], servers["R1"], [*prompt, 7, 8, 9], 3 * CHUNK, "tp2->tp1")
 
 
 def test_tp1_prefix_restores_into_tp2(
@@ -99,18 +102,12 @@ def test_tp1_prefix_restores_into_tp2(
     servers["T1"].complete(prompt, max_tokens=2)
     assert wait_stored(store, prompt[: 4 * CHUNK], ns=ns) == 4
     asked = [*prompt, 7, 8, 9]
-    before = servers["T2"].metrics()
-    got = servers["T2"].complete(asked, max_tokens=16)
-    # every rank restored its head of every chunk (vLLM sums both ranks' counters)
-    assert restored(servers["T2"], before) >= 3 * CHUNK
-    assert_same_answer(got, servers["R2"].complete(asked, max_tokens=16), "tp1->tp2")
+    # every rank restores its head of every chunk (vLLM sums both ranks' counters)
+    restore_and_compare(servers["T2"], servers["R2"], asked, 3 * CHUNK, "tp1->tp2")
     # the next turn on the TP-2 vLLM stores its new chunk as parts over the TP-1 vLLM's
     # whole ones; back on the TP-1 vLLM (its own cache holds the first 1,024 tokens) the
     # new chunk comes from those parts
     follow = [*asked, *prompt_tokens(CHUNK, seed=33)]
     servers["T2"].complete(follow, max_tokens=2)
     assert wait_stored(store, follow[: 5 * CHUNK], ns=ns) == 5
-    before = servers["T1"].metrics()
-    got = servers["T1"].complete([*follow, 4], max_tokens=16)
-    assert restored(servers["T1"], before) >= CHUNK
-    assert_same_answer(got, servers["R1"].complete([*follow, 4], max_tokens=16), "tp2->tp1 turn")
+    restore_and_compare(servers["T1"], servers["R1"], [*follow, 4], CHUNK, "tp2->tp1 turn")

@@ -229,14 +229,20 @@ def block_index(block_ids: BlockIds, device: torch.device) -> Blocks:
     if isinstance(block_ids, Blocks):
         return block_ids
     ids = [int(b) for b in block_ids]
-    runs: list[tuple[int, int, int]] = []
-    for i, b in enumerate(ids):
-        if runs and runs[-1][2] == b:
-            runs[-1] = (runs[-1][0], runs[-1][1], b + 1)
-        else:
-            runs.append((i, b, b + 1))
-    few = tuple(runs) if 0 < len(runs) <= _MAX_SLICES else None
+    found = runs(ids)
+    few = tuple(found) if 0 < len(found) <= _MAX_SLICES else None
     return Blocks(torch.tensor(ids, dtype=torch.long, device=device), few)
+
+
+def runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``ids`` as runs of consecutive ids: (index of the run's first, first id, end id)."""
+    out: list[tuple[int, int, int]] = []
+    for i, b in enumerate(ids):
+        if out and out[-1][2] == b:
+            out[-1] = (out[-1][0], out[-1][1], b + 1)
+        else:
+            out.append((i, b, b + 1))
+    return out
 
 
 def _select(view: torch.Tensor, blocks: Blocks) -> torch.Tensor:
