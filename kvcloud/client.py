@@ -53,6 +53,7 @@ from .segment import (
     encode_segment,
     encode_segment_parts,
     part_layout,
+    part_record_fp,
     read_segment_into,
 )
 from .sessions import SessionRecord, pack_record, unpack_record
@@ -412,6 +413,41 @@ class KVCloud(Closing):
         created = self._put_or_revive(okey, seg.parts)
         self._count(objects_written=int(created), bytes_pushed=seg.size if created else 0)
         return okey, seg.size
+
+    def offer_part(
+        self,
+        ns: Namespace,
+        fp: bytes,
+        heads: tuple[int, int],
+        key: str,
+        size: int,
+        n_tokens: int,
+        parts: int,
+    ) -> bool:
+        """After ``store_part``: record this part in the index, and register the chunk if
+        every one of its ``parts`` (equal head ranges) is recorded. Each writer records its
+        part before it reads the others', so of writers finishing together at least one
+        sees them all, and the chunk's entry is written once (SET NX makes a second
+        registration a no-op). No coordinator: a chunk becomes visible as soon as its last
+        part is stored, whatever the engine does next. A part record sits under a
+        fingerprint derived from the chunk's and the range (``part_record_fp``), which no
+        prompt's chain ever asks for; it names the part's object (keeping it from gc) and
+        expires with the index's TTL. True if this call registered the chunk."""
+        if ns.num_kv_heads % parts:
+            raise LayoutError(f"{parts} parts cannot split {ns.num_kv_heads} KV heads evenly")
+        now = time.time()
+        self.index.register(
+            ns.id, part_record_fp(fp, heads).hex(), IndexEntry(key, n_tokens, size, now)
+        )
+        w = ns.num_kv_heads // parts
+        found = self.index.lookup(
+            ns.id, [part_record_fp(fp, (j * w, (j + 1) * w)).hex() for j in range(parts)]
+        )
+        if any(e is None for e in found):
+            return False
+        keys = [e.object_key for e in found if e is not None]
+        total = sum(e.size for e in found if e is not None)
+        return self.register_parts(ns, fp, keys, n_tokens, total)
 
     def register_parts(
         self, ns: Namespace, fp: bytes, keys: Sequence[str], n_tokens: int, size: int

@@ -592,6 +592,14 @@ def check_header(
         raise HeaderMismatchError(f"object holds {header.n_tokens} tokens, expected {n_tokens}")
 
 
+def part_record_fp(fp: bytes, heads: tuple[int, int]) -> bytes:
+    """The index fingerprint under which one part of chunk ``fp`` is recorded until the
+    chunk is registered (``KVCloud.offer_part``): derived, so no prompt's chain reaches it."""
+    return hashlib.blake2b(
+        b"kvcloud-part\0" + bytes(fp) + struct.pack("<II", *heads), digest_size=FP_BYTES
+    ).digest()
+
+
 def _heads_str(heads: tuple[int, int] | None) -> str:
     return "all" if heads is None else f"[{heads[0]}, {heads[1]})"
 

@@ -204,3 +204,26 @@ def test_register_parts_refuses_an_uneven_split(kvc: KVCloud) -> None:
         kvc.register_parts(make_ns(), b"\1" * 32, ["a", "b", "c"], 16, 3)
     with pytest.raises(ValueError):
         IndexEntry.of_parts(["a,b"], 16, 1, 0.0)
+
+
+def test_offered_parts_register_the_chunk_once_the_last_is_in(kvc: KVCloud) -> None:
+    """No coordinator: each writer records its part, the one that finds every part recorded
+    registers the chunk; before that the chunk is a miss. Part records are entries deep
+    verify accepts (they name real parts) and no prompt's chain reaches."""
+    ns = make_ns()
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, 50_000, ns.chunk_tokens)
+    kv = rng.standard_normal(ns.kv_shape(ns.chunk_tokens)).astype(np.float16)
+    fp = kvc.fingerprints(ns, tokens)[0]
+    offered = []
+    for lo, hi in [(2, 4), (0, 2)]:  # in any order
+        key, size = kvc.store_part(ns, fp, ns.digest, kv[:, :, :, lo:hi], (lo, hi))
+        assert kvc.lookup(ns, tokens).tokens == 0
+        offered.append(kvc.offer_part(ns, fp, (lo, hi), key, size, ns.chunk_tokens, 2))
+    assert offered == [False, True]
+    assert np.array_equal(kvc.pull(kvc.lookup(ns, tokens)), kv)
+    # offered again (a retry): the entry stands, nothing registered twice
+    key, size = kvc.store_part(ns, fp, ns.digest, kv[:, :, :, :2], (0, 2))
+    assert kvc.offer_part(ns, fp, (0, 2), key, size, ns.chunk_tokens, 2) is False
+    rep = verify(kvc.store, kvc.index, deep=True)
+    assert rep.clean and rep.entries_checked == 3 and rep.orphans == 0

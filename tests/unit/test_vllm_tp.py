@@ -1,13 +1,12 @@
 """Tensor parallelism without vLLM: two worker sides playing the ranks of a TP-2 vLLM, each
 holding half the KV heads in a cache laid out like vLLM's CPU backend, save a chunk as two
-parts; the scheduler side registers it once both are in; a whole-model reader (a TP-1 vLLM,
+parts; the rank whose part is stored last registers it; a whole-model reader (a TP-1 vLLM,
 kvcloud's own pull) and each rank of another TP-2 vLLM restore it bit for bit. And the
 reverse: a chunk a TP-1 vLLM stored whole restores into each TP-2 rank's heads.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,10 +19,8 @@ torch = pytest.importorskip("torch")
 from kvcloud import KVCloud  # noqa: E402
 from kvcloud.integrations.vllm.config import VLLMConnectorConfig  # noqa: E402
 from kvcloud.integrations.vllm.layout import learn_layout  # noqa: E402
-from kvcloud.integrations.vllm.scheduler import SchedulerSide  # noqa: E402
 from kvcloud.integrations.vllm.shard import Shard, shard_of  # noqa: E402
 from kvcloud.integrations.vllm.specs import (  # noqa: E402
-    KVCloudWorkerMeta,
     LoadChunk,
     LoadSpec,
     SaveChunk,
@@ -113,71 +110,46 @@ def test_a_tp2_save_restores_into_tp1_and_tp2(tmp_path: Path) -> None:
     tokens = make_tokens(2 * ns.chunk_tokens)
     kv = make_kv(ns, len(tokens))
     ranks = [rank(tmp_path, shard_of(r, 2, H)) for r in range(2)]
-    sched_client = KVCloud.open(
+    reader = KVCloud.open(
         store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db", secret="s"
     )
-    sched = SchedulerSide(VLLMConnectorConfig(), ns, sched_client, BS, parts=2)
-    fps = sched_client.fingerprints(ns, tokens)
+    fps = reader.fingerprints(ns, tokens)
     parents = [ns.digest, *fps[:-1]]
     blocks = [[1, 2], [3, 4]]  # block 0 is vLLM's null block
     spec = SaveSpec(
         "req", "default", [SaveChunk(i, fps[i], parents[i], blocks[i]) for i in range(2)]
     )
     meta = SimpleNamespace(loads=[], saves=[spec])
-    for ws, _ in ranks:
+    registered = 0
+    for n, (ws, _) in enumerate(ranks):
         fill(ws, kv, [b for bl in blocks for b in bl])
         for name in ws.layer_index:
             ws.save_kv_layer(meta, name, ws.caches[name])  # type: ignore[arg-type]
         ws.wait_for_save()
         assert ws.uploader is not None
         ws.uploader.close()  # waits for the queue to drain
-    reports = [ws.build_worker_meta() for ws, _ in ranks]
-    assert all(r is not None and len(r.parts) == 2 for r in reports)
-    assert sched_client.lookup(ns, tokens).tokens == 0  # parts stored, nothing registered
-    merged = reports[0].aggregate(reports[1])  # type: ignore[union-attr]
-    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=merged))
-    deadline = time.monotonic() + 10
-    while sched_client.lookup(ns, tokens).tokens < len(tokens):
-        assert time.monotonic() < deadline, "the chunks were never registered"
-        time.sleep(0.01)
-    assert sched.take_stats()["chunks_registered"] == 2
-    m = sched_client.lookup(ns, tokens)
+        stats = ws.take_stats()
+        assert stats["parts_pushed"] == 2
+        registered += stats.get("chunks_registered", 0)
+        # one rank's parts alone register nothing: the chunk is a miss until both are in
+        assert reader.lookup(ns, tokens).tokens == (0 if n == 0 else len(tokens))
+    assert registered == 2  # each chunk once, by the rank whose part came last
+    m = reader.lookup(ns, tokens)
     assert all(len(ref.entry.keys) == 2 for ref in m.chunks)
     # a TP-1 reader gets the whole KV, bit for bit
-    assert same_bits(sched_client.pull(m), kv)
+    assert same_bits(reader.pull(m), kv)
     # each rank of another TP-2 vLLM restores its own heads
     for r in range(2):
-        restores_its_heads(tmp_path / f"reader{r}", r, sched_client, m, kv, [[5, 4], [1, 2]])
+        restores_its_heads(tmp_path / f"reader{r}", r, reader, m, kv, [[5, 4], [1, 2]])
     for ws, _ in ranks:
         ws.shutdown()
-    sched.shutdown()
-    sched_client.close()
+    reader.close()
 
 
-def test_replicas_do_not_write_and_an_incomplete_chunk_is_never_registered(
-    tmp_path: Path,
-) -> None:
+def test_replicas_do_not_write(tmp_path: Path) -> None:
     # TP 4 over 2 KV heads: ranks 1 and 3 hold copies, only ranks 0 and 2 write
     assert rank(tmp_path, shard_of(1, 4, 2))[0].uploader is None
-    ns = make_ns("float32", num_kv_heads=H)
-    kvc = KVCloud.open(store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db", secret="s")
-    now = [0.0]
-    sched = SchedulerSide(VLLMConnectorConfig(), ns, kvc, BS, clock=lambda: now[0], parts=2)
-    fp = kvc.fingerprints(ns, make_tokens(ns.chunk_tokens))[0]
-    sched.update_connector_output(
-        SimpleNamespace(kv_connector_worker_meta=KVCloudWorkerMeta(parts=[(fp, 0, "k0", 10)]))
-    )
-    now[0] = 500.0  # the other rank's part never comes
-    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=KVCloudWorkerMeta()))
-    sched.update_connector_output(
-        SimpleNamespace(kv_connector_worker_meta=KVCloudWorkerMeta(parts=[(fp, 1, "k1", 10)]))
-    )
-    time.sleep(0.05)
-    assert kvc.index.lookup(ns.id, [fp.hex()]) == [None]
-    stats = sched.take_stats()
-    assert stats.get("parts_abandoned") == 1 and "chunks_registered" not in stats
-    sched.shutdown()
-    kvc.close()
+    assert rank(tmp_path / "w", shard_of(2, 4, 2))[0].uploader is not None
 
 
 def test_a_tp1_chunk_restores_into_each_tp2_rank(tmp_path: Path) -> None:

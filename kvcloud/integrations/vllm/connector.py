@@ -107,8 +107,7 @@ class KVCloudConnector(KVConnectorBase_V1):
             # a failed kvcloud load is a miss: vLLM must recompute, not fail the request
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            parts = shard_of(0, tp, ns.num_kv_heads).parts
-            self._scheduler = SchedulerSide(cfg, ns, client, block_size, parts=parts)
+            self._scheduler = SchedulerSide(cfg, ns, client, block_size)
         else:
             self._worker = WorkerSide(
                 cfg,

@@ -62,9 +62,7 @@ COUNTERS: dict[str, str] = {
     "push_failures": "chunks the uploader could not store",
     "upload_dropped": "chunks dropped because the upload queue was full",
     "parts_pushed": "parts of chunks (a TP rank's KV heads) newly stored by the uploader",
-    "chunks_registered": "chunks stored in parts registered once every part was in (TP > 1)",
-    "parts_abandoned": "chunks whose parts never all arrived (a rank dropped one): not registered",
-    "register_failures": "chunks whose parts were stored but could not be registered",
+    "chunks_registered": "chunks in parts this rank registered, its part the last stored (TP > 1)",
 }
 
 

@@ -91,16 +91,11 @@ class SchedulerSide:
         client: KVCloud,
         block_size: int,
         clock: Any = time.monotonic,
-        parts: int = 1,
     ) -> None:
         self.cfg = cfg
         self.ns = ns
         self.client = client
         self.block_size = block_size
-        # parts of a chunk a TP > 1 vLLM's ranks store (one per distinct head range):
-        # registered here once every one is in; fp -> (first seen, {part: (key, bytes)})
-        self.parts = parts
-        self._parts: dict[bytes, tuple[float, dict[int, tuple[str, int]]]] = {}
         self._clock = clock
         self._plans: dict[str, _Plan] = {}
         self._pending: dict[str, _Pending] = {}
@@ -493,36 +488,8 @@ class SchedulerSide:
         # for a budget that one restore must fit)
         self._rate_in_step = _moved(self._rate_in_step, meta.in_step_bytes, meta.in_step_s)
         self._rate_beside = _moved(self._rate_beside, meta.beside_bytes, meta.beside_s)
-        if meta.parts or self._parts:
-            self._collect_parts(meta.parts, now)
         if len(self._bad_objects) > 4096:  # bounded: forget the ones that expired
             self._bad_objects = {k: t for k, t in self._bad_objects.items() if t > now}
-
-    def _collect_parts(self, parts: list[tuple[bytes, int, str, int]], now: float) -> None:
-        """Register each chunk whose every part is stored (on a lookup thread: the index is
-        never waited for here); forget chunks still incomplete after ``_PART_WAIT`` seconds
-        (a rank dropped its part: a miss, and gc collects the parts that were stored)."""
-        stale = [fp for fp, (seen, _) in self._parts.items() if now - seen > _PART_WAIT]
-        for fp in stale:
-            del self._parts[fp]
-        if stale:
-            self.count(parts_abandoned=len(stale))
-        for fp, index, key, size in parts:
-            _, got = self._parts.setdefault(fp, (now, {}))
-            got[index] = (key, size)
-            if len(got) == self.parts:
-                del self._parts[fp]
-                keys = [got[j][0] for j in range(self.parts)]
-                total = sum(s for _, s in got.values())
-                self._lookups.submit(self._register_parts, fp, keys, total)
-
-    def _register_parts(self, fp: bytes, keys: list[str], size: int) -> None:
-        try:
-            self.client.register_parts(self.ns, fp, keys, self.ns.chunk_tokens, size)
-            self.count(chunks_registered=1)
-        except Exception as exc:  # a chunk not registered is a future miss, never an error
-            log.warning("kvcloud: could not register a chunk's %d parts: %s", len(keys), exc)
-            self.count(register_failures=1)
 
     def request_finished(self, request: Any) -> None:
         rid = request.request_id
@@ -546,10 +513,6 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self._lookups.shutdown(wait=False, cancel_futures=True)
-
-
-# seconds a chunk's first stored part waits for the others before it is given up
-_PART_WAIT = 120.0
 
 
 def _moved(rate: float | None, nbytes: int, seconds: float) -> float | None:

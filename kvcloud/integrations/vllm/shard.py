@@ -4,8 +4,8 @@ vLLM splits a model's KV heads evenly over the TP ranks; with more ranks than KV
 head is replicated on ``tp // heads`` consecutive ranks (``QKVParallelLinear``: rank r holds
 head ``r // replicas``). kvcloud's namespace is the whole model's at every TP size, and a
 chunk saved by a TP > 1 vLLM is stored in parts, one per distinct head range, written by the
-first rank of each replica group and registered by the scheduler once every part is in
-(``KVCloud.store_part`` / ``register_parts``). Any rank reads the parts that overlap its heads,
+first rank of each replica group; the writer whose part is stored last registers the chunk
+(``KVCloud.store_part`` / ``offer_part``). Any rank reads the parts that overlap its heads,
 or its slice of a chunk stored whole, so vLLMs of any TP size share.
 """
 

@@ -73,13 +73,9 @@ class KVCloudWorkerMeta:
     in_step_s: float = 0.0
     beside_bytes: int = 0
     beside_s: float = 0.0
-    # parts of chunks the ranks stored (tensor parallelism): (fp, part index, object key,
-    # bytes); the scheduler side registers a chunk once every part of it is in
-    parts: list[tuple[bytes, int, str, int]] = field(default_factory=list)
 
     def aggregate(self, other: KVCloudWorkerMeta) -> KVCloudWorkerMeta:
         if isinstance(other, KVCloudWorkerMeta):
-            self.parts.extend(other.parts)
             self.bad_objects.update(other.bad_objects)
             self.store_retry_in = max(self.store_retry_in, other.store_retry_in)
             self.store_ok = self.store_ok and other.store_ok

@@ -56,16 +56,16 @@ class Uploader:
         nice: int = 0,
         *,
         part: tuple[int, int] | None = None,
-        stored_part: Callable[[bytes, str, int], None] | None = None,
+        parts: int = 1,
     ):
         self.client = client
         self.ns = ns
         self.count = count
         self.nice = nice
-        # a tensor-parallel rank stores the KV heads it holds as a part of each chunk and
-        # tells ``stored_part`` (the scheduler side registers the chunk once all are in)
+        # a tensor-parallel rank stores the KV heads it holds as one of a chunk's ``parts``;
+        # the writer of the last part to be stored registers the chunk (KVCloud.offer_part)
         self.part = part
-        self.stored_part = stored_part
+        self.parts = parts
         self._queue: queue.Queue[_Item | None] = queue.Queue(capacity)
         self._thread = threading.Thread(target=self._run, name="kvcloud-uploader", daemon=True)
         self._thread.start()
@@ -150,13 +150,13 @@ class Uploader:
                 key, size = self.client.store_part(
                     self.ns, fp, parent, kv, self.part, tenant=tenant
                 )
+                self.count(parts_pushed=1)
+                n = int(kv.shape[2])
+                if self.client.offer_part(self.ns, fp, self.part, key, size, n, self.parts):
+                    self.count(chunks_registered=1)
             except Exception as exc:  # the uploader must outlive any backend failure
                 log.warning("kvcloud part push failed: %s", exc)
                 self.count(push_failures=1)
-                continue
-            self.count(parts_pushed=1)
-            if self.stored_part is not None:
-                self.stored_part(fp, key, size)
 
     def close(self, timeout: float = 30.0) -> None:
         try:

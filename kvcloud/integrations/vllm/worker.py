@@ -167,8 +167,7 @@ class WorkerSide:
             self.shard.num_heads,
             ns.head_dim,
         )
-        # parts this rank stored (TP > 1), not yet reported to the scheduler side
-        self._new_parts: list[tuple[bytes, int, str, int]] = []
+
         self.client = client
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
@@ -185,7 +184,7 @@ class WorkerSide:
                 self.count,
                 cfg.upload_nice,
                 part=self.shard.heads,
-                stored_part=self._part_stored,
+                parts=self.shard.parts,
             )
             if cfg.write_policy != "off" and self.shard.writer
             else None
@@ -503,23 +502,17 @@ class WorkerSide:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
-    def _part_stored(self, fp: bytes, key: str, size: int) -> None:
-        """On the uploader's thread: this rank's part of a chunk is stored (TP > 1)."""
-        with self._meta_lock:
-            self._new_parts.append((fp, self.shard.index, key, size))
-
     def build_worker_meta(self) -> KVCloudWorkerMeta | None:
-        """Tell the scheduler side what it should stop offering (only when it changed), how
-        fast the restores that ended since the last report ran, and the parts stored."""
+        """Tell the scheduler side what it should stop offering (only when it changed), and
+        how fast the restores that ended since the last report ran."""
         with self._meta_lock:
             bad, self._new_bad = self._new_bad, {}
-            parts, self._new_parts = self._new_parts, []
             (in_bytes, in_s), (beside_bytes, beside_s) = self._in_step.take(), self._beside.take()
         retry_in = self.store_breaker.retry_in()
         is_open = self.store_breaker.is_open
         changed = is_open != self._store_reported_open
         self._store_reported_open = is_open
-        if not bad and not changed and not in_bytes and not beside_bytes and not parts:
+        if not bad and not changed and not in_bytes and not beside_bytes:
             return None
         return KVCloudWorkerMeta(
             bad_objects=bad,
@@ -529,7 +522,6 @@ class WorkerSide:
             in_step_s=in_s,
             beside_bytes=beside_bytes,
             beside_s=beside_s,
-            parts=parts,
         )
 
     # -- saves ------------------------------------------------------------------------------
