@@ -64,10 +64,18 @@ def crash_loop(
         feeder.start()
         delay = rng.uniform(0.15, 1.0)
         time.sleep(delay)
-        try:
-            m = w.metrics()
-        except httpx.HTTPError:
-            m = {}
+        # from that random point, the first moment the uploader holds queued chunks (on a
+        # fast server it drains between requests): a kill there is a kill between objects
+        # and their entries, what this test is about; after 0.5 s it kills whatever it finds
+        until = time.monotonic() + 0.5
+        while True:
+            try:
+                m = w.metrics()
+            except httpx.HTTPError:
+                m = {}
+            if m.get("kvcloud_worker_upload_queue_depth", 0) > 0 or time.monotonic() > until:
+                break
+            time.sleep(0.01)
         w.kill()
         feeder.halt.set()
         feeder.join(30)
