@@ -27,11 +27,6 @@ class Shard:
         return None if self.parts == 1 else (self.lo, self.hi)
 
     @property
-    def index(self) -> int:
-        """This rank's part: its position in the chunk's entry."""
-        return self.lo // (self.hi - self.lo)
-
-    @property
     def num_heads(self) -> int:
         return self.hi - self.lo
 
