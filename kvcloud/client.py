@@ -14,12 +14,13 @@ pull names its tenant, and the tenant's data key is derived here from the master
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -557,8 +558,14 @@ class KVCloud(Closing):
         dests: Sequence[np.ndarray],
         *,
         heads: tuple[int, int] | None = None,
+        on_layer: Callable[[int, int], None] | None = None,
     ) -> PullResult:
         """Pull chunk i of the match into ``dests[i]`` (e.g. free KV-cache pages).
+
+        ``on_layer(i, l)`` is called (on a pull thread) once layer l of chunk i is verified
+        in ``dests[i]``: as soon as its bytes are in, for a chunk stored as one format 3
+        object, so the caller can use layer l while layer l + 1 is still in flight; after
+        the whole chunk otherwise. A chunk that fails may have handed over some layers.
 
         With ``heads`` (lo, hi) the destinations hold only KV heads [lo, hi) of the
         namespace's (``[layers, 2, chunk_tokens, hi - lo, head_dim]``: what one tensor-parallel
@@ -577,12 +584,16 @@ class KVCloud(Closing):
                         f"a destination for KV heads [{heads[0]}, {heads[1]}) is {list(want)} "
                         f"of {m.ns.dtype}, got {list(d.shape)} of {d.dtype}"
                     )
-        n_ok, failures, nbytes = self._pull_into(m, dests, heads)
+        n_ok, failures, nbytes = self._pull_into(m, dests, heads, on_layer)
         empty = np.empty(m.ns.kv_shape(0), dtype=m.ns.dtype_info.storage)
         return PullResult(empty, n_ok * c, n_ok, nbytes, failures)
 
     def _pull_into(
-        self, m: Match, dests: Sequence[np.ndarray], heads: tuple[int, int] | None = None
+        self,
+        m: Match,
+        dests: Sequence[np.ndarray],
+        heads: tuple[int, int] | None = None,
+        on_layer: Callable[[int, int], None] | None = None,
     ) -> tuple[int, list[tuple[int, str]], int]:
         ns = m.ns
         dkey = self.data_key(m.tenant)
@@ -593,7 +604,17 @@ class KVCloud(Closing):
             ref = m.chunks[i]
             keys = ref.entry.keys
             if len(keys) == 1 and heads is None:
-                return fetch_object(ref, keys[0], dests[i], None)
+                layer_done = None if on_layer is None else functools.partial(on_layer, i)
+                return fetch_object(ref, keys[0], dests[i], None, layer_done)
+            reason, size = fetch_parts(i)
+            if reason == "ok" and on_layer is not None:
+                for layer in range(ns.num_layers):  # every part is in: each layer is
+                    on_layer(i, layer)
+            return reason, size
+
+        def fetch_parts(i: int) -> tuple[str, int]:
+            ref = m.chunks[i]
+            keys = ref.entry.keys
             if ns.num_kv_heads % len(keys):
                 log.warning("entry %s names %d parts of %d KV heads", ref.fp.hex()[:16],
                             len(keys), ns.num_kv_heads)  # fmt: skip
@@ -624,7 +645,11 @@ class KVCloud(Closing):
             return "ok", total
 
         def fetch_object(
-            ref: ChunkRef, key: str, dest: np.ndarray, part: tuple[int, int] | None
+            ref: ChunkRef,
+            key: str,
+            dest: np.ndarray,
+            part: tuple[int, int] | None,
+            layer_done: Callable[[int], None] | None = None,
         ) -> tuple[str, int]:
             try:
                 # stream straight into the destination (a KV page, or a chunk's slice of one
@@ -642,6 +667,7 @@ class KVCloud(Closing):
                         key=dkey,
                         require_encryption=must_encrypt,
                         heads=part,
+                        on_layer=layer_done,
                     )
                 return "ok", size
             except ObjectNotFoundError:

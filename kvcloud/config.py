@@ -86,10 +86,12 @@ class KVCloudConfig:
     codec: str = field(default="raw", metadata={"env": "KVCLOUD_CODEC"})
     """Codec for new segments: raw, zstd or lz4 (all lossless)."""
 
-    segment_version: int = field(default=2, metadata={"env": "KVCLOUD_SEGMENT_VERSION"})
-    """Object format written: 2 (BLAKE3-addressed, the default) or 1 (SHA-256, what earlier
-    releases read). Both are always read. Set 1 while a fleet still runs earlier releases,
-    then 2 once every worker reads it (docs/OPERATIONS.md, "Upgrading the object format")."""
+    segment_version: int = field(default=3, metadata={"env": "KVCLOUD_SEGMENT_VERSION"})
+    """Object format written: 3 (the default: addressed by its header, which holds a BLAKE3
+    digest per layer, so each layer is verified as it arrives), 2 (BLAKE3 of the whole
+    object) or 1 (SHA-256). All three are always read. Set the newest format every worker of
+    the fleet reads while older releases still run (docs/OPERATIONS.md, "Upgrading the
+    object format")."""
 
     ttl_seconds: int = field(default=7 * 24 * 3600, metadata={"env": "KVCLOUD_TTL_SECONDS"})
     """Index entry lifetime after its last hit (sliding)."""
@@ -126,9 +128,9 @@ class KVCloudConfig:
             raise ConfigError("KVCLOUD_SECRET must not be empty")
         if self.codec not in ("raw", "zstd", "lz4"):
             raise ConfigError(f"KVCLOUD_CODEC: unknown codec {self.codec!r}")
-        if self.segment_version not in (1, 2):
+        if self.segment_version not in (1, 2, 3):
             raise ConfigError(
-                f"KVCLOUD_SEGMENT_VERSION: {self.segment_version} is not 1 or 2 (object formats)"
+                f"KVCLOUD_SEGMENT_VERSION: {self.segment_version} is not 1, 2 or 3 (object formats)"
             )
         if self.ttl_seconds <= 0:
             raise ConfigError("KVCLOUD_TTL_SECONDS must be positive")

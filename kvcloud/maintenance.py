@@ -44,10 +44,11 @@ from .stores.base import ObjectInfo, ObjectStore
 ProgressFn = Callable[[str, int, int | None], None]
 
 # Object keys as the client writes them: <ns id (16 bytes hex)>/<d[:2]>/<d>, d = BLAKE3-256
-# hex + ".b3" (format v2) or bare SHA-256 hex (format v1, still read).
+# hex + ".b3l" (format v3, the header's digest) or ".b3" (v2, the whole object's), or bare
+# SHA-256 hex (format v1, still read).
 # gc deletes nothing else: a bucket prefix shared with other data, or a future key scheme,
 # must never be collected by a gc that does not understand it.
-_KEY_RE = re.compile(r"^(?P<ns>[0-9a-f]{32})/(?P<d2>[0-9a-f]{2})/(?P<d>[0-9a-f]{64}(\.b3)?)$")
+_KEY_RE = re.compile(r"^(?P<ns>[0-9a-f]{32})/(?P<d2>[0-9a-f]{2})/(?P<d>[0-9a-f]{64}(\.b3l?)?)$")
 
 _BATCH = 256  # keys per parallel round of HEAD/GET/DELETE
 DEFAULT_GRACE_SECONDS = 3600

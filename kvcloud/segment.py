@@ -2,11 +2,18 @@
 
     b"KVC1" | u32 header_len (LE) | header (msgpack map) | payload
 
-The object key is the content digest of the whole object, so identical content always
-lands on the same key and a flipped bit anywhere is caught by the digest. Format version 2
-(written now) is addressed by BLAKE3-256, version 1 (read and verified, no longer written) by
-SHA-256. The algorithm shows in the key — ``<hex>.b3`` for BLAKE3, bare ``<hex>`` for
-SHA-256 — and the header's version must agree with it, so it is never guessed. Decoding treats its
+The object key is a content digest, so identical content always lands on the same key and a
+flipped bit anywhere is caught. Format version 3 (written now) is addressed by the BLAKE3-256
+of its prefix and header, and the header holds a table of BLAKE3-256 digests of the payload's
+pieces: one per layer for a raw, unencrypted payload (a layer is a contiguous
+``[2, tokens, heads, dim]`` slice of it), one for the whole payload otherwise. The key covers
+the table and the table covers every payload byte, so the key still pins every byte, and a
+reader can check the header as soon as it has arrived and each layer as soon as its bytes have:
+layer l is verified and usable while layer l + 1 is still in flight (``read_segment_into``'s
+``on_layer``). Version 2 (read, and written on request) is addressed by the BLAKE3-256 of the
+whole object, version 1 (read only) by its SHA-256. The form shows in the key — ``<hex>.b3l``
+for version 3, ``<hex>.b3`` for version 2, bare ``<hex>`` for version 1 — and the header's
+version must agree with it, so it is never guessed. Decoding treats its
 input as hostile: every declared length is checked against the real size and against the
 namespace before anything is allocated, and every failure is a CorruptObjectError subclass.
 
@@ -22,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -61,16 +69,20 @@ from .quant import dequantize_int8_into, int8_payload_len, quantize_int8
 
 MAGIC = b"KVC1"
 #: the version new objects are written in
-SEGMENT_VERSION = 2
+SEGMENT_VERSION = 3
 #: every version this build reads, and the digest that addresses objects of that version
-DIGEST_ALGS = {1: "sha256", 2: "blake3"}
+DIGEST_ALGS = {1: "sha256", 2: "blake3", 3: "blake3-layers"}
 CODECS = ("raw", "zstd", "lz4", "int8")
 #: codecs whose decoded KV differs from what was encoded; each belongs to namespaces that
 #: name it (Namespace.quant) and to no other
 LOSSY_CODECS = ("int8",)
 DIGEST_HEX_LEN = 64
 _B3_SUFFIX = ".b3"
-_DIGEST_RE = re.compile(r"^[0-9a-f]{64}(\.b3)?$")
+_B3L_SUFFIX = ".b3l"
+_SUFFIXES = {"sha256": "", "blake3": _B3_SUFFIX, "blake3-layers": _B3L_SUFFIX}
+_DIGEST_RE = re.compile(r"^[0-9a-f]{64}(\.b3l?)?$")
+#: bytes of one entry of a version 3 header's digest table
+PIECE_DIGEST_BYTES = 32
 MAX_HEADER_LEN = 64 * 1024
 # Hard ceiling on any declared length. Pulls are bounded far lower: a segment must match
 # the namespace, so it decodes to at most one chunk's bytes.
@@ -90,14 +102,18 @@ _B3_THREADED_BYTES = 16 << 20
 class _Hasher(Protocol):
     def update(self, data: Any, /) -> Any: ...
 
+    def digest(self) -> bytes: ...
+
     def hexdigest(self) -> str: ...
 
 
 def digest_alg(digest: str) -> str:
-    """The algorithm a key's digest names (``blake3`` or ``sha256``); DigestMismatchError
-    for anything that is not a digest this build writes or reads."""
+    """The algorithm a key's digest names (``blake3-layers``, ``blake3`` or ``sha256``);
+    DigestMismatchError for anything that is not a digest this build writes or reads."""
     if not _DIGEST_RE.match(digest):
         raise DigestMismatchError(f"{digest[:80]!r} is not a content digest")
+    if digest.endswith(_B3L_SUFFIX):
+        return "blake3-layers"
     return "blake3" if digest.endswith(_B3_SUFFIX) else "sha256"
 
 
@@ -109,20 +125,84 @@ def _hasher(alg: str, size_hint: int = 0) -> _Hasher:
 
 
 def _digest_string(alg: str, hexdigest: str) -> str:
-    return hexdigest + _B3_SUFFIX if alg == "blake3" else hexdigest
+    return hexdigest + _SUFFIXES[alg]
 
 
-def content_digest(data: bytes | bytearray | memoryview, alg: str = "blake3") -> str:
-    """The content address of ``data`` under ``alg``, in the form keys carry."""
+def _piece_digest(data: Any) -> bytes:
+    return blake3.blake3(data).digest()
+
+
+def _head_len(view: memoryview) -> int | None:
+    """The length of prefix and header when ``view`` starts like an object, else None."""
+    if len(view) < _PREFIX.size:
+        return None
+    magic, header_len = _PREFIX.unpack_from(view, 0)
+    if magic != MAGIC or header_len > MAX_HEADER_LEN or _PREFIX.size + header_len > len(view):
+        return None
+    return _PREFIX.size + header_len
+
+
+def content_digest(data: bytes | bytearray | memoryview, alg: str | None = None) -> str:
+    """The content address of ``data`` under ``alg``, in the form keys carry. Without
+    ``alg``: the address the object's own header asks for (format 3's when its version says
+    so), and the whole-data BLAKE3 of format 2 for anything else."""
     view = memoryview(data).cast("B")
+    if alg is None:
+        alg = "blake3-layers" if _object_version(view) == 3 else "blake3"
+    if alg == "blake3-layers":
+        end = _head_len(view)
+        if end is None:
+            raise CorruptObjectError("not an object: no header to address")
+        view = view[:end]
     h = _hasher(alg, len(view))
     h.update(view)
     return _digest_string(alg, h.hexdigest())
 
 
+def _object_version(view: memoryview) -> int | None:
+    end = _head_len(view)
+    if end is None:
+        return None
+    try:
+        h = msgpack.unpackb(view[_PREFIX.size : end], raw=False, strict_map_key=True)
+    except Exception:
+        return None
+    v = h.get("v") if isinstance(h, dict) else None
+    return v if type(v) is int else None
+
+
 def digest_matches(data: bytes | bytearray | memoryview, digest: str) -> bool:
     """Whether ``data`` is what ``digest`` (a key's last component) addresses."""
-    return content_digest(data, digest_alg(digest)) == digest
+    try:
+        _verify(memoryview(data).cast("B"), digest)
+    except CorruptObjectError:
+        return False
+    return True
+
+
+def _verify(view: memoryview, digest: str) -> None:
+    """DigestMismatchError unless ``view`` is what ``digest`` addresses. For format 3: the
+    header against the key, then (a header that matches but does not parse is the error its
+    parse raises) every piece against the header's table."""
+    alg = digest_alg(digest)
+    if alg != "blake3-layers":
+        if content_digest(view, alg) != digest:
+            raise DigestMismatchError("object bytes do not match their content address")
+        return
+    if _head_len(view) is None or content_digest(view, alg) != digest:
+        raise DigestMismatchError("object header does not match its content address")
+    try:
+        header, offset = read_header(view)
+    except TruncatedObjectError as exc:  # the payload's length: bytes missing or added
+        raise DigestMismatchError(f"object bytes do not match their address: {exc}") from None
+    _check_version_alg(header, alg)
+    _check_pieces(header, view[offset:])
+
+
+def _check_pieces(header: SegmentHeader, payload: memoryview | bytes) -> None:
+    for i, ((a, b), want) in enumerate(zip(piece_bounds(header), header.pieces, strict=True)):
+        if _piece_digest(payload[a:b]) != want:
+            raise DigestMismatchError(f"payload piece {i} does not match its header's digest")
 
 
 def _check_version_alg(header: SegmentHeader, alg: str) -> None:
@@ -159,6 +239,8 @@ class SegmentHeader:
     encryption: dict[str, Any]
     # a part of a chunk: the KV heads [lo, hi) of the namespace's; None for a whole chunk
     heads: tuple[int, int] | None = None
+    # format 3: BLAKE3-256 of each payload piece (``piece_bounds``), which the key covers
+    pieces: tuple[bytes, ...] = ()
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -214,7 +296,26 @@ class SegmentHeader:
         }
         if self.heads is not None:
             d["heads"] = list(self.heads)
+        if self.pieces:
+            d["pieces"] = [p.hex() for p in self.pieces]
         return d
+
+
+def _piece_count(version: int, codec: str, encrypted: bool, layers: int) -> int:
+    """How many digests a header's table holds: one per layer for a raw, unencrypted format 3
+    payload (each layer is a contiguous slice), one for any other format 3 payload."""
+    if version < 3:
+        return 0
+    return layers if codec == "raw" and not encrypted else 1
+
+
+def piece_bounds(header: SegmentHeader) -> list[tuple[int, int]]:
+    """The [start, end) of each payload piece its table covers (format 3; [] before)."""
+    n = _piece_count(header.version, header.codec, header.encrypted, header.layout[0])
+    if n == 0:
+        return []
+    step = header.payload_len // n
+    return [(i * step, header.payload_len if i == n - 1 else (i + 1) * step) for i in range(n)]
 
 
 @dataclass(frozen=True)
@@ -246,12 +347,33 @@ def _plain_parts(kv: np.ndarray) -> list[memoryview]:
     ]
 
 
+def _layer_digests(kv: np.ndarray, plain: list[memoryview] | None = None) -> list[bytes]:
+    """BLAKE3-256 of each layer's bytes of ``kv`` in payload order (format 3's table)."""
+    plain = _plain_parts(kv) if plain is None else plain
+    layers = kv.shape[0]
+    if len(plain) == 1:
+        step = len(plain[0]) // layers
+        return [_piece_digest(plain[0][i * step : (i + 1) * step]) for i in range(layers)]
+    per_layer = len(plain) // layers  # [layer, K|V] blocks, in order
+    out = []
+    for i in range(layers):
+        h = blake3.blake3()
+        for view in plain[i * per_layer : (i + 1) * per_layer]:
+            h.update(view)
+        out.append(h.digest())
+    return out
+
+
 def _seal(
     header: dict[str, Any], parts: list[memoryview], plain_len: int, key: TenantKey, alg: str
 ) -> EncodedSegment:
     """Encrypt the payload parts under ``key`` and build the object around them."""
     header["enc"] = {"alg": ALG, "kid": key.key_id, "nonce": bytes(NONCE_BYTES)}
     header["payload_len"] = plain_len + TAG_BYTES
+    if header["v"] >= 3:
+        # a placeholder of the same packed size: the table covers the ciphertext, known
+        # only once it is written after the header (neither is part of the AAD)
+        header["ld"] = [bytes(PIECE_DIGEST_BYTES)]
     # the AAD comes from the parsed header, exactly as the decoder will rebuild it; the
     # placeholder nonce does not matter because the nonce is not part of the AAD
     aad = _parse_header(header).aad()
@@ -261,9 +383,14 @@ def _seal(
     start = _PREFIX.size + len(hbytes)
     buf = bytearray(start + plain_len + TAG_BYTES)
     _PREFIX.pack_into(buf, 0, MAGIC, len(hbytes))
-    buf[_PREFIX.size : start] = hbytes
     # ciphertext and tag are written straight into the object buffer
     encrypt_into(key, nonce, aad, parts, memoryview(buf)[start:])
+    if header["v"] >= 3:
+        header["ld"] = [_piece_digest(memoryview(buf)[start:])]
+        packed = _pack_header(header)
+        assert len(packed) == len(hbytes)  # same field sizes: the payload stays where it is
+        hbytes = packed
+    buf[_PREFIX.size : start] = hbytes
     return EncodedSegment(digest=content_digest(buf, alg), data=buf, header=_parse_header(header))
 
 
@@ -351,6 +478,8 @@ def encode_segment(
         return _seal(header, _plain_parts(kv), raw_len, key, alg)
     if codec == "raw":
         header["payload_len"] = raw_len
+        if version >= 3:
+            header["ld"] = _layer_digests(kv)
         hbytes = _pack_header(header)
         buf = bytearray(_PREFIX.size + len(hbytes) + raw_len)
         _PREFIX.pack_into(buf, 0, MAGIC, len(hbytes))
@@ -372,6 +501,8 @@ def encode_segment(
         if key is not None:
             return _seal(header, [memoryview(payload)], len(payload), key, alg)
         header["payload_len"] = len(payload)
+        if version >= 3:
+            header["ld"] = [_piece_digest(payload)]
         hbytes = _pack_header(header)
         data = b"".join([_PREFIX.pack(MAGIC, len(hbytes)), hbytes, payload])
     digest = content_digest(data, alg)
@@ -421,12 +552,15 @@ def encode_segment_parts(
         return SegmentParts(seg.digest, (seg.data,), seg.header, len(seg.data))
     kv, header, alg = _new_header(ns, fp, parent, kv, "raw", version, heads)
     raw_len = header["payload_len"] = header["raw_len"]
+    plain = _plain_parts(kv)
+    if version >= 3:
+        header["ld"] = _layer_digests(kv, plain)
     hbytes = _pack_header(header)
     head = _PREFIX.pack(MAGIC, len(hbytes)) + hbytes
-    parts: list[bytes | memoryview] = [head, *_plain_parts(kv)]
+    parts: list[bytes | memoryview] = [head, *plain]
     # one object is hashed on one thread: pushes run several objects in parallel
     h = _hasher(alg)
-    for part in parts:
+    for part in [head] if version >= 3 else parts:
         h.update(part)
     size = len(head) + raw_len
     return SegmentParts(
@@ -501,6 +635,20 @@ def _parse_header(h: Any) -> SegmentHeader:
             raise MalformedHeaderError("int8 payload length disagrees with the shape")
     if payload_len < overhead:
         raise MalformedHeaderError("encrypted payload is shorter than its tag")
+    want = _piece_count(version, codec, overhead > 0, layers)
+    pieces: tuple[bytes, ...] = ()
+    if want:
+        table = _field(h, "ld", list)
+        if len(table) != want or any(
+            type(d) is not bytes or len(d) != PIECE_DIGEST_BYTES for d in table
+        ):
+            raise MalformedHeaderError(
+                f"a format {version} header holds {want} piece digests of "
+                f"{PIECE_DIGEST_BYTES} bytes"
+            )
+        pieces = tuple(table)
+    elif "ld" in h:
+        raise MalformedHeaderError(f"a format {version} header holds no piece digests")
     part = None
     if "heads" in h:
         rng = _field(h, "heads", list)
@@ -523,6 +671,7 @@ def _parse_header(h: Any) -> SegmentHeader:
         payload_len=payload_len,
         encryption=dict(enc),
         heads=part,
+        pieces=pieces,
     )
 
 
@@ -684,8 +833,8 @@ def decode_segment(
     ``require_encryption`` refuses a plaintext one.
     """
     view = memoryview(data).cast("B")
-    if digest is not None and not digest_matches(view, digest):
-        raise DigestMismatchError("object bytes do not match their content address")
+    if digest is not None:
+        _verify(view, digest)
     header, offset = read_header(view)
     if digest is not None:
         _check_version_alg(header, digest_alg(digest))
@@ -730,13 +879,18 @@ class Reader(Protocol):
     def readinto(self, buf: Any, /) -> int | None: ...
 
 
+class _Damaged(TruncatedObjectError):
+    """An object shorter or longer than it says, or with a bad prefix: for a format 3 object,
+    whose header is checked against the key, a digest mismatch (read_segment_into)."""
+
+
 def _read_exact(reader: Reader, n: int, what: str) -> bytes:
     parts: list[bytes] = []
     left = n
     while left > 0:
         chunk = reader.read(left)
         if not chunk:
-            raise TruncatedObjectError(f"object ends inside its {what}")
+            raise _Damaged(f"object ends inside its {what}")
         parts.append(chunk)
         left -= len(chunk)
     return parts[0] if len(parts) == 1 else b"".join(parts)
@@ -747,13 +901,16 @@ def _readinto_exact(reader: Reader, view: memoryview) -> None:
     while filled < len(view):
         got = reader.readinto(view[filled:])
         if not got:
-            raise TruncatedObjectError("object ends inside its payload")
+            raise _Damaged("object ends inside its payload")
         filled += got
 
 
 class _NoHash:
     def update(self, data: Any, /) -> None:
         pass
+
+    def digest(self) -> bytes:
+        return b""
 
     def hexdigest(self) -> str:
         return ""
@@ -771,9 +928,16 @@ def read_segment_into(
     key: TenantKey | None = None,
     require_encryption: bool = False,
     heads: tuple[int, int] | None = None,
+    on_layer: Callable[[int], None] | None = None,
 ) -> tuple[SegmentHeader, int]:
     """Decode an object from a stream into ``out`` without holding the object in memory.
     Returns the header and the object's size in bytes.
+
+    ``on_layer(l)`` is called once per layer, in order, as soon as ``out[l]`` holds layer l
+    verified: for a format 3 raw, unencrypted object right after that layer's bytes match
+    their digest (while the next layer is still to be read), for any other object after the
+    whole object was verified. When an exception ends the read, the layers already handed
+    over are verified and the rest of ``out`` is garbage.
 
     The header is read and checked first (so a hostile length never allocates), then a raw
     payload is read straight into ``out`` while being hashed (into each of its
@@ -785,8 +949,9 @@ def read_segment_into(
     ``require_encryption`` as for decode_segment.
     """
     alg = digest_alg(digest) if digest is not None else None
-    # without a digest to compare with there is nothing to hash for
-    h: _Hasher = _hasher(alg) if alg is not None else _NoHash()
+    # without a digest to compare with there is nothing to hash for; format 3 hashes the
+    # header and each piece on their own
+    h: _Hasher = _hasher(alg) if alg in ("sha256", "blake3") else _NoHash()
     try:
         return _read_segment_into(
             reader,
@@ -801,9 +966,14 @@ def read_segment_into(
             key=key,
             require_encryption=require_encryption,
             heads=heads,
+            on_layer=on_layer,
         )
     except CorruptObjectError as exc:
-        if alg is None or isinstance(exc, DigestMismatchError):
+        if alg == "blake3-layers" and isinstance(exc, _Damaged):
+            # bytes missing, added, or before a header that matches the key
+            raise DigestMismatchError(f"object bytes do not match their address: {exc}") from exc
+        if alg in (None, "blake3-layers") or isinstance(exc, DigestMismatchError):
+            # (format 3 checked its header against the key before anything else)
             raise
         # Report what decode_segment reports for the same bytes: a damaged object is a
         # digest mismatch first, whichever check happened to see the damage.
@@ -824,18 +994,21 @@ def _rest_matches(reader: Reader, h: _Hasher, alg: str, digest: str | None) -> b
     return False
 
 
-def _contiguous_blocks(out: np.ndarray) -> list[memoryview] | None:
-    """``out`` as byte views of contiguous pieces in payload order: itself when it is
-    C-contiguous, else its ``[layer, K|V]`` blocks when each is (a chunk's slice of a
-    longer array); None otherwise."""
+def _layer_views(out: np.ndarray) -> list[list[memoryview]] | None:
+    """``out`` (``[layers, 2, tokens, heads, dim]``) as byte views of contiguous pieces in
+    payload order, grouped by layer: each layer whole when ``out`` is C-contiguous, else
+    its K and V blocks when each is (a chunk's slice of a longer array); None otherwise."""
+    layers = out.shape[0]
     if out.flags.c_contiguous:
-        return [memoryview(out.reshape(-1).view(np.uint8))]
+        flat = memoryview(out.reshape(-1).view(np.uint8))
+        step = len(flat) // layers
+        return [[flat[i * step : (i + 1) * step]] for i in range(layers)]
     if out.ndim != 5:
         return None
-    blocks = [out[layer, kv] for layer in range(out.shape[0]) for kv in range(out.shape[1])]
-    if not all(b.flags.c_contiguous for b in blocks):
+    blocks = [[out[layer, kv] for kv in range(out.shape[1])] for layer in range(layers)]
+    if not all(b.flags.c_contiguous for group in blocks for b in group):
         return None
-    return [memoryview(b.reshape(-1).view(np.uint8)) for b in blocks]
+    return [[memoryview(b.reshape(-1).view(np.uint8)) for b in group] for group in blocks]
 
 
 def _read_segment_into(
@@ -852,16 +1025,23 @@ def _read_segment_into(
     key: TenantKey | None,
     require_encryption: bool,
     heads: tuple[int, int] | None = None,
+    on_layer: Callable[[int], None] | None = None,
 ) -> tuple[SegmentHeader, int]:
     prefix = _read_exact(reader, _PREFIX.size, "prefix")
     h.update(prefix)
     magic, header_len = _PREFIX.unpack(prefix)
+    tabled = alg == "blake3-layers"
     if magic != MAGIC:
-        raise BadMagicError(f"bad magic {magic!r}")
+        raise (_Damaged if tabled else BadMagicError)(f"bad magic {magic!r}")
     if header_len > MAX_HEADER_LEN:
-        raise MalformedHeaderError(f"header length {header_len} exceeds {MAX_HEADER_LEN}")
+        raise (_Damaged if tabled else MalformedHeaderError)(
+            f"header length {header_len} exceeds {MAX_HEADER_LEN}"
+        )
     raw_header = _read_exact(reader, header_len, "header")
     h.update(raw_header)
+    if alg == "blake3-layers" and content_digest(prefix + raw_header, alg) != digest:
+        # the key addresses the header: nothing it says is read before this holds
+        raise DigestMismatchError("object header does not match its content address")
     try:
         hd = msgpack.unpackb(raw_header, raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:
@@ -877,24 +1057,42 @@ def _read_segment_into(
         raise LayoutError(f"out has shape {list(out.shape)}, object {list(header.shape)}")
     k = _check_encryption(header, key, require_encryption)
     size = _PREFIX.size + header_len + header.payload_len
+    # format 3: the payload's own digest(s), checked against the (verified) header's table
+    ph: _Hasher = blake3.blake3() if tabled else _NoHash()
 
     def check_end() -> None:
         extra = reader.read(1)
         if extra:
             h.update(extra)  # the object is still hashed whole (see read_segment_into)
-            raise TruncatedObjectError("object has bytes after its declared payload")
-        if alg is not None and _digest_string(alg, h.hexdigest()) != digest:
+            raise _Damaged("object has bytes after its declared payload")
+        if alg in ("sha256", "blake3") and _digest_string(alg, h.hexdigest()) != digest:
             raise DigestMismatchError("object bytes do not match their content address")
 
-    blocks = _contiguous_blocks(out) if header.codec == "raw" and k is None else None
-    if blocks is not None:
-        # hash each piece right after it lands, while it is still in cache
-        for view in blocks:
-            for off in range(0, len(view), _STREAM_PIECE):
-                piece = view[off : off + _STREAM_PIECE]
-                _readinto_exact(reader, piece)
-                h.update(piece)
+    def all_layers() -> None:
+        if on_layer is not None:
+            for layer in range(header.layout[0]):
+                on_layer(layer)
+
+    layers = _layer_views(out) if header.codec == "raw" and k is None else None
+    if layers is not None:
+        # hash each piece right after it lands, while it is still in cache; in format 3
+        # each layer is checked (and handed over) as soon as its last byte is in
+        per_layer = tabled and len(header.pieces) == len(layers)
+        for i, views in enumerate(layers):
+            lh: _Hasher = blake3.blake3() if per_layer else h
+            for view in views:
+                for off in range(0, len(view), _STREAM_PIECE):
+                    piece = view[off : off + _STREAM_PIECE]
+                    _readinto_exact(reader, piece)
+                    lh.update(piece)
+            if per_layer:
+                if lh.digest() != header.pieces[i]:
+                    raise DigestMismatchError(f"layer {i} does not match its header's digest")
+                if on_layer is not None:
+                    on_layer(i)
         check_end()
+        if not per_layer:
+            all_layers()
         return header, size
     if header.codec == "raw" and k is not None and out.flags.c_contiguous:
         view = memoryview(out.reshape(-1).view(np.uint8))
@@ -906,15 +1104,20 @@ def _read_segment_into(
             piece = scratch[: min(_STREAM_PIECE, len(view) - off)]
             _readinto_exact(reader, piece)
             h.update(piece)
+            ph.update(piece)
             dec.update_into(piece, view[off:])
         tag = _read_exact(reader, TAG_BYTES, "tag")
         h.update(tag)
+        ph.update(tag)
         authentic = dec.finish(tag)
         check_end()  # a damaged object is a digest mismatch first
+        if tabled and ph.digest() != header.pieces[0]:
+            raise DigestMismatchError("object payload does not match its header's digest")
         if not authentic:
             raise DecryptionError(
                 "object failed authentication (wrong key, or tampered ciphertext or header)"
             )
+        all_layers()
         return header, size
     # compressed payloads are at most a little larger than what they decode to
     if header.payload_len > header.raw_len + (1 << 20) + (TAG_BYTES if k else 0):
@@ -922,10 +1125,13 @@ def _read_segment_into(
     payload = _read_exact(reader, header.payload_len, "payload")
     h.update(payload)
     check_end()
+    if tabled:
+        _check_pieces(header, payload)
     plain: bytes = (
         payload if k is None else decrypt(k, header.nonce, header.aad(), memoryview(payload))
     )
     _decode_payload_into(
         header, memoryview(plain), out.view(storage) if out.dtype != storage else out
     )
+    all_layers()
     return header, size

@@ -228,7 +228,7 @@ DEFAULT_BUCKETS = 4096
 _MAX_BUCKETS = 1 << 24
 
 # The value: format (1), expires_at, created, n_tokens, size, then the object key: a form
-# byte and either the 32-byte digest of a standard key (<ns>/<d[:2]>/<d>[.b3]) or the key as
+# byte and either the 32-byte digest of a standard key (<ns>/<d[:2]>/<d>[.b3|.b3l]) or the key as
 # UTF-8 (any other key, e.g. one written by a custom client). Format 2 (field TTL) is the
 # same without expires_at.
 _HEAD = struct.Struct("<BddIQ")
@@ -239,7 +239,10 @@ _FORMAT_FIELD_TTL = 2
 # Hits whose field TTL this process renewed lately, so it renews each at most once per
 # renewal interval (a field-TTL value does not say when it expires); ~150 bytes an item.
 _RENEWED_MEMO = 1 << 16
-_KEY_RAW, _KEY_BLAKE3, _KEY_SHA256 = 0, 1, 2
+_KEY_RAW, _KEY_BLAKE3, _KEY_SHA256, _KEY_BLAKE3_LAYERS = 0, 1, 2, 3
+# the digest forms of standard keys (segment.py), longest suffix first
+_SUFFIX_FORMS = {".b3l": _KEY_BLAKE3_LAYERS, ".b3": _KEY_BLAKE3}
+_FORM_SUFFIXES = {_KEY_BLAKE3_LAYERS: ".b3l", _KEY_BLAKE3: ".b3", _KEY_SHA256: ""}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEXES = re.compile(r"(?:[0-9a-f]{64})*")
 # A hex fingerprint's field is its 32 raw bytes; any other field has another length.
@@ -258,8 +261,9 @@ def _pack_key(ns: str, key: str) -> bytes:
     head = ns + "/"
     if key.startswith(head):
         rest = key[len(head) :]
-        digest = rest[3:-3] if rest.endswith(".b3") else rest[3:]
-        form = _KEY_BLAKE3 if rest.endswith(".b3") else _KEY_SHA256
+        suffix = next((x for x in _SUFFIX_FORMS if rest.endswith(x)), "")
+        digest = rest[3 : len(rest) - len(suffix)]
+        form = _SUFFIX_FORMS.get(suffix, _KEY_SHA256)
         if rest[2:3] == "/" and rest[:2] == digest[:2] and _HEX64.fullmatch(digest):
             return bytes((form,)) + bytes.fromhex(digest)
     return bytes((_KEY_RAW,)) + key.encode("utf-8")
@@ -269,10 +273,10 @@ def _unpack_key(ns: str, packed: bytes) -> str:
     form, body = packed[0], packed[1:]
     if form == _KEY_RAW:
         return body.decode("utf-8")
-    if form not in (_KEY_BLAKE3, _KEY_SHA256) or len(body) != 32:
+    if form not in _FORM_SUFFIXES or len(body) != 32:
         raise ValueError(f"bad object key form {form} ({len(body)} bytes)")
     digest = body.hex()
-    return f"{ns}/{digest[:2]}/{digest}" + (".b3" if form == _KEY_BLAKE3 else "")
+    return f"{ns}/{digest[:2]}/{digest}" + _FORM_SUFFIXES[form]
 
 
 def _pack_value(ns: str, entry: IndexEntry, expires_at: float | None) -> bytes:

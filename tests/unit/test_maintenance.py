@@ -22,7 +22,7 @@ from kvcloud.cli import main
 from kvcloud.errors import ConfigError
 from kvcloud.indexes.base import IndexEntry
 from kvcloud.maintenance import gc, is_object_key, parse_duration, parse_size, verify
-from kvcloud.segment import encode_segment, read_header
+from kvcloud.segment import SEGMENT_VERSION, encode_segment, read_header
 from kvcloud.stores.base import ObjectInfo
 from kvcloud.stores.file import FileStore
 from tests.helpers import make_kv, make_ns, make_tokens, same_bits
@@ -117,9 +117,12 @@ def objects(kv: KVCloud) -> dict[str, int]:
     return {i.key: i.size for i in kv.store.list()}
 
 
-def put_orphan(kv: KVCloud, ns: Namespace, seed: int = 55) -> tuple[str, int]:
+def put_orphan(
+    kv: KVCloud, ns: Namespace, seed: int = 55, version: int = SEGMENT_VERSION
+) -> tuple[str, int]:
     """An object no entry or session names (what a crashed push leaves behind)."""
-    seg = encode_segment(ns, bytes([seed]) * 32, ns.digest, make_kv(ns, ns.chunk_tokens, seed))
+    kv_arr = make_kv(ns, ns.chunk_tokens, seed)
+    seg = encode_segment(ns, bytes([seed]) * 32, ns.digest, kv_arr, version=version)
     assert kv.store.put(seg.key(), seg.data)
     return seg.key(), len(seg.data)
 
@@ -341,14 +344,14 @@ def test_old_sha256_and_new_blake3_objects_in_one_store(env: Env) -> None:
         seg = encode_segment(ns, bytes([61]) * 32, ns.digest, make_kv(ns, c, 61), version=1)
         assert kv.store.put(seg.key(), seg.data)
         orphan_v1, size_v1 = seg.key(), len(seg.data)
-        # this build extends the same prompt: only the new chunk is written, in v2
+        # this build extends the same prompt: only the new chunk is written, in v3
         res = kv.push(ns, toks, arr)
         assert res.pushed == 1 and res.keys[:2] == old
         new = res.keys[2:]
-        assert all(not k.endswith(".b3") for k in old) and new[0].endswith(".b3")
+        assert all(not k.endswith((".b3", ".b3l")) for k in old) and new[0].endswith(".b3l")
         assert {read_header(kv.store.get(k))[0].version for k in old} == {1}
-        assert read_header(kv.store.get(new[0]))[0].version == 2
-        orphan_v2, size_v2 = put_orphan(kv, ns, seed=62)
+        assert read_header(kv.store.get(new[0]))[0].version == 3
+        orphan_v2, size_v2 = put_orphan(kv, ns, seed=62, version=2)
         assert orphan_v2.endswith(".b3") and is_object_key(orphan_v2) and is_object_key(orphan_v1)
 
         m = kv.lookup(ns, toks)

@@ -134,14 +134,14 @@ def test_unknown_version_and_truncated_blake3_object() -> None:
     data = bytes(seg.data)
     (hlen,) = struct.unpack_from("<I", data, 4)
     h = msgpack.unpackb(data[8 : 8 + hlen], raw=False)
-    h["v"] = 3
+    h["v"] = 4  # a version this build does not know, under a key form it does
     hb = msgpack.packb(h, use_bin_type=True)
-    v3 = MAGIC + struct.pack("<I", len(hb)) + hb + data[8 + hlen :]
-    d3 = blake3.blake3(v3).hexdigest() + ".b3"
+    v4 = MAGIC + struct.pack("<I", len(hb)) + hb + data[8 + hlen :]
+    d4 = blake3.blake3(v4).hexdigest() + ".b3"
     with pytest.raises(UnsupportedVersionError):
-        decode_segment(v3, digest=d3, ns=ns)
+        decode_segment(v4, digest=d4, ns=ns)
     with pytest.raises(UnsupportedVersionError):
-        _stream(v3, d3, ns)
+        _stream(v4, d4, ns)
     short = data[:-5]
     # both paths report damage to an addressed object the same way
     with pytest.raises(DigestMismatchError):
@@ -177,7 +177,11 @@ def test_segment_version_setting_picks_the_written_format(tmp_path) -> None:
         assert read_header(kv.store.get(keys[0]))[0].version == 1
     with KVCloud.open(config=KVCloudConfig.from_env(env={}, **urls)) as kv:
         keys = kv.push(ns, toks, arr).keys
-        assert [read_header(kv.store.get(k))[0].version for k in keys] == [1, 2]
+        assert [read_header(kv.store.get(k))[0].version for k in keys] == [1, 3]
         assert same_bits(kv.pull(kv.lookup(ns, toks)), arr)
+    v2 = KVCloudConfig.from_env(env={"KVCLOUD_SEGMENT_VERSION": "2"}, **urls)
+    with KVCloud.open(config=v2) as kv:
+        keys = kv.push(ns, np.concatenate([toks, toks]), np.concatenate([arr, arr], axis=2)).keys
+        assert [read_header(kv.store.get(k))[0].version for k in keys] == [1, 3, 2, 2]
     with pytest.raises(ConfigError, match="KVCLOUD_SEGMENT_VERSION"):
-        KVCloudConfig.from_env(env={"KVCLOUD_SEGMENT_VERSION": "3"}, **urls)
+        KVCloudConfig.from_env(env={"KVCLOUD_SEGMENT_VERSION": "4"}, **urls)
