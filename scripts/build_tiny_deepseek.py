@@ -10,7 +10,6 @@ it small. Random weights still give deterministic greedy text, which is all the 
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -19,9 +18,8 @@ from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.vllm_fleet import SMOLLM2
+from scripts.build_tiny_llama import save_with_tokenizer
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 NUM_LAYERS = 2
 
 
@@ -59,13 +57,7 @@ def build(out: Path, seed: int = 0) -> Path:
         # whatever the context: greedy text must depend on every position's KV
         initializer_range=0.1,
     )
-    model = DeepseekV2ForCausalLM(cfg).to(torch.float32)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (SMOLLM2 / name).exists():
-            shutil.copy(SMOLLM2 / name, out / name)
-    return out
+    return save_with_tokenizer(DeepseekV2ForCausalLM(cfg), out)
 
 
 if __name__ == "__main__":

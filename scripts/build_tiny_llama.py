@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -42,9 +42,13 @@ def build(out: Path, seed: int = 0) -> Path:
         # whatever the context: greedy text must depend on every position's KV
         initializer_range=0.1,
     )
-    model = LlamaForCausalLM(cfg).to(torch.float32)
+    return save_with_tokenizer(LlamaForCausalLM(cfg), out)
+
+
+def save_with_tokenizer(model: PreTrainedModel, out: Path) -> Path:
+    """Save ``model`` in float32 safetensors into ``out`` with SmolLM2's tokenizer files."""
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    model.to(torch.float32).save_pretrained(out, safe_serialization=True)
     for name in TOKENIZER_FILES:
         if (SMOLLM2 / name).exists():
             shutil.copy(SMOLLM2 / name, out / name)

@@ -307,3 +307,56 @@ def test_empty_block_lists_are_no_ops() -> None:
     layout.scatter(views[0], [], torch.empty(2, 0, H, D))
     assert layout.gather(views[0], []).shape == (2, 0, H, D)
     assert torch.equal(views[0], before)
+
+
+# --- MLA: one latent row per token, written by the MLA op's own signature ------------------
+
+LATENT, ROPE = 10, 6  # a row of 16: stored as one head of 8, K its first half, V its second
+
+
+def mla_write(kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale):
+    """vLLM 0.32's CPU MLA ``do_kv_cache_update``: rows of [latent | rope] per slot into a
+    ``[blocks, block_size, latent + rope]`` cache (viewed flat), padding slots (-1) skipped."""
+    assert kv_cache_dtype == "auto" and k_scale.numel() == 1
+    flat = kv_cache.view(-1, kv_c_normed.shape[-1] + k_pe.shape[-1])
+    keep = slot_mapping >= 0
+    flat[slot_mapping[keep], : kv_c_normed.shape[-1]] = kv_c_normed[keep]
+    flat[slot_mapping[keep], kv_c_normed.shape[-1] :] = k_pe.squeeze(1)[keep]
+
+
+def mla_layer() -> SimpleNamespace:
+    return SimpleNamespace(
+        kv_lora_rank=LATENT,
+        _k_scale=torch.ones(()),
+        impl=SimpleNamespace(do_kv_cache_update=mla_write),
+    )
+
+
+@pytest.mark.parametrize("shape", ["cpu [blocks, 1, N, W]", "flashmla [blocks, N, W]"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_an_mla_latent_cache_is_learned_as_one_head_of_two_halves(shape: str, dtype) -> None:
+    """The probe goes through the MLA op's signature; what a gather returns is each token's
+    latent row split in two, and a scatter writes exactly the bytes the op writes."""
+    n, nb, w = 16, 5, LATENT + ROPE
+    dims = (nb, 1, n, w) if shape.startswith("cpu") else (nb, n, w)
+    g = torch.Generator().manual_seed(4)
+    c = torch.randn(3 * n, LATENT, generator=g).to(dtype)
+    pe = torch.randn(3 * n, 1, ROPE, generator=g).to(dtype)
+    scale = torch.ones(())
+    cache = torch.zeros(dims, dtype=dtype)
+    mla_write(c, pe, cache, torch.arange(3 * n), "auto", scale)
+    layout = learn_layout(mla_layer(), cache, nb, n, 1, w // 2)
+    # K and V are two strided views (a token every row, V half a row on): copied as one
+    assert [(h.offset, h.token, h.dim) for h in layout.halves or ()] == [(0, w, 1), (w // 2, w, 1)]
+    kv = layout.gather(cache, [2, 0])  # [2, 2n, 1, w/2]
+    rows = torch.cat([kv[0, :, 0], kv[1, :, 0]], dim=1)
+    expected = torch.cat([c, pe.squeeze(1)], dim=1)
+    assert torch.equal(rows, torch.cat([expected[2 * n : 3 * n], expected[:n]]))
+    # into other blocks of another cache: the same bytes the op writes there
+    other = torch.zeros(dims, dtype=dtype)
+    layout.scatter(other, [4, 1], kv)
+    want = torch.zeros(dims, dtype=dtype)
+    slots = torch.cat([torch.arange(4 * n, 5 * n), torch.arange(n, 2 * n)])
+    mla_write(torch.cat([c[2 * n :], c[:n]]), torch.cat([pe[2 * n :], pe[:n]]), want, slots,
+              "auto", scale)  # fmt: skip
+    assert torch.equal(other, want)

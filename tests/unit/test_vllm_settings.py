@@ -159,3 +159,31 @@ def test_speculative_decoding_with_draft_kv_is_refused() -> None:
     vc.speculative_config = SimpleNamespace(method="eagle", uses_draft_kv_cache=lambda: True)
     with pytest.raises(ConfigError, match=r"draft model \(eagle\)"):
         check_supported(vc, groups)
+
+
+def test_an_mla_model_is_one_latent_head_in_its_own_namespace() -> None:
+    """An MLA cache holds one latent row per token (kv_lora_rank + rope wide), the same on
+    every TP rank: stored as one KV head of half that width, K and V the row's halves, with
+    the latent's split pinned in the namespace; an odd width is refused at start."""
+    from kvcloud.integrations.vllm.keys import mla_dims
+
+    cfg = VLLMConnectorConfig(weights_digest="sha256-x")
+    hf = SimpleNamespace(
+        model_type="deepseek_v2", to_json_string=lambda: "{}", kv_lora_rank=512,
+        qk_rope_head_dim=64,
+    )  # fmt: skip
+    vc = _vllm_config(use_mla=True, hf_config=hf, get_total_num_kv_heads=lambda: 4,
+                      get_head_size=lambda: 576)  # fmt: skip
+    # where vLLM itself keeps prefix caching off for MLA (its CPU backend), refused
+    with pytest.raises(ConfigError, match="MLA model with vLLM's prefix caching off"):
+        check_supported(vc, SimpleNamespace(kv_cache_groups=[object()]))
+    vc.cache_config.enable_prefix_caching = True
+    check_supported(vc, SimpleNamespace(kv_cache_groups=[object()]))
+    ns = vllm_namespace(vc, cfg)
+    assert (ns.num_kv_heads, ns.head_dim) == (1, 288) and "latent=512,rope=64" in ns.extra
+    other = SimpleNamespace(**{**vars(hf), "kv_lora_rank": 448, "qk_rope_head_dim": 128})
+    assert vllm_namespace(_vllm_config(use_mla=True, hf_config=other), cfg).id != ns.id
+    assert mla_dims(_vllm_config().model_config) is None
+    odd = SimpleNamespace(**{**vars(hf), "qk_rope_head_dim": 63})
+    with pytest.raises(ConfigError, match="odd width"):
+        vllm_namespace(_vllm_config(use_mla=True, hf_config=odd), cfg)

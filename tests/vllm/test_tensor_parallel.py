@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from kvcloud import KVCloud, Namespace
+from kvcloud import Namespace
 from kvcloud.integrations.vllm.keys import checkpoint_digest
 from scripts.vllm_fleet import VLLMServer, kvcloud_transfer_config
 from tests.vllm.conftest import embedded_env, prompt_tokens, serving
-from tests.vllm.helpers import assert_same_answer, wait_stored
+from tests.vllm.helpers import objects_per_chunk, restore_and_compare, wait_stored
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -67,17 +67,6 @@ def tiny_namespace(tiny: Path) -> Namespace:
     )  # fmt: skip
 
 
-def restore_and_compare(
-    server: VLLMServer, ref: VLLMServer, prompt: list[int], least: int, label: str
-) -> None:
-    """``server`` answers ``prompt`` restoring at least ``least`` tokens from kvcloud, with
-    the greedy answer of ``ref`` (no connector, same TP size)."""
-    before = server.metrics().get("loaded_tokens", 0)
-    got = server.complete(prompt, max_tokens=16)
-    assert server.metrics().get("loaded_tokens", 0) - before >= least, label
-    assert_same_answer(got, ref.complete(prompt, max_tokens=16), label)
-
-
 def test_tp2_prefix_restores_into_tp1(
     servers: dict[str, VLLMServer], store: dict[str, str], tiny: Path
 ) -> None:
@@ -86,11 +75,7 @@ def test_tp2_prefix_restores_into_tp1(
     servers["T2"].complete(prompt, max_tokens=2)
     assert wait_stored(store, prompt[: 4 * CHUNK], ns=ns) == 4
     # stored as parts: each entry names two objects, one per rank's KV head
-    with KVCloud.open(
-        store=store["KVCLOUD_STORE"], index=store["KVCLOUD_INDEX"], secret=store["KVCLOUD_SECRET"]
-    ) as k:
-        m = k.lookup(ns, prompt[: 4 * CHUNK])
-        assert [len(ref.entry.keys) for ref in m.chunks] == [2, 2, 2, 2]
+    assert objects_per_chunk(store, ns, prompt[: 4 * CHUNK]) == [2, 2, 2, 2]
     restore_and_compare(servers["T1"], servers["R1"], [*prompt, 7, 8, 9], 3 * CHUNK, "tp2->tp1")
 
 

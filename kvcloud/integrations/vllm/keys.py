@@ -108,8 +108,17 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
         )
     if int(getattr(pc, "decode_context_parallel_size", 1) or 1) != 1:
         raise ConfigError("the kvcloud connector does not support decode context parallelism")
-    if getattr(vllm_config.model_config, "use_mla", False):
-        raise ConfigError("the kvcloud connector does not support MLA attention caches yet")
+    if int(getattr(pc, "prefill_context_parallel_size", 1) or 1) != 1:
+        raise ConfigError("the kvcloud connector does not support prefill context parallelism")
+    if mla_dims(vllm_config.model_config) is not None and not getattr(
+        vllm_config.cache_config, "enable_prefix_caching", False
+    ):
+        raise ConfigError(
+            "an MLA model with vLLM's prefix caching off (vLLM turns it off for MLA on CPU): "
+            "a prefix restored into vLLM's MLA context path changes greedy answers there "
+            "(vLLM's own ExampleConnector too; docs/VLLM.md), so the kvcloud connector "
+            "restores MLA caches only where vLLM's prefix caching is on for them"
+        )
     spec = getattr(vllm_config, "speculative_config", None)
     method = str(getattr(spec, "method", "") or "") if spec is not None else ""
     if spec is not None and _draft_kv(spec):
@@ -124,6 +133,25 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
             f"the model has {len(groups)} KV cache groups (hybrid or sliding-window layers); "
             "the kvcloud connector supports one group of full-attention layers"
         )
+
+
+def mla_dims(mc: Any) -> tuple[int, int] | None:
+    """(kv_lora_rank, qk_rope_head_dim) of an MLA model, None for any other.
+
+    An MLA layer caches one latent row per token, the same on every TP rank (it is computed by
+    replicated layers). kvcloud stores it as one KV head of half the row's width, K the row's
+    first half and V its second: a chunk is stored once (by the first rank) and every rank
+    pulls all of it."""
+    if not getattr(mc, "use_mla", False):
+        return None
+    hf = getattr(mc, "hf_text_config", None) or mc.hf_config
+    lora, rope = int(hf.kv_lora_rank), int(getattr(hf, "qk_rope_head_dim", 0) or 0)
+    if (lora + rope) % 2:
+        raise ConfigError(
+            f"an MLA latent of {lora} + {rope} values per token: kvcloud stores it as two "
+            "halves and cannot split an odd width"
+        )
+    return lora, rope
 
 
 def sliding_window(kv_cache_config: Any) -> int | None:
@@ -156,12 +184,18 @@ def vllm_namespace(vllm_config: Any, cfg: VLLMConnectorConfig) -> Namespace:
     impl = str(getattr(mc, "model_impl", "auto") or "auto")
     if impl not in ("auto", "vllm", "ModelImpl.AUTO", "ModelImpl.VLLM"):
         extra["model_impl"] = impl
+    # the whole model's KV heads, whatever the TP size: every TP size shares
+    heads, head_dim = int(mc.get_total_num_kv_heads()), int(mc.get_head_size())
+    mla = mla_dims(mc)
+    if mla is not None:
+        # one latent row per token, stored as one head of two halves (see mla_dims)
+        extra["mla"] = f"latent={mla[0]},rope={mla[1]}"
+        heads, head_dim = 1, (mla[0] + mla[1]) // 2
     return Namespace(
         model=f"vllm/{getattr(hf, 'model_type', 'unknown')}",
         num_layers=int(mc.get_num_layers(pc)),
-        # the whole model's KV heads, whatever the TP size: every TP size shares
-        num_kv_heads=int(mc.get_total_num_kv_heads()),
-        head_dim=int(mc.get_head_size()),
+        num_kv_heads=heads,
+        head_dim=head_dim,
         revision=cfg.weights_digest or checkpoint_digest(mc.model, getattr(mc, "revision", None)),
         dtype=kv_dtype_name(vllm_config),
         chunk_tokens=cfg.chunk_tokens,

@@ -301,6 +301,36 @@ def find_block_dim(cache: torch.Tensor, num_blocks: int) -> int:
     return dims[0]
 
 
+def write_probe(
+    layer: Any, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Write ``key`` and ``value`` (``[tokens, heads, dim]``) for ``slots`` through the layer's
+    own cache-write op.
+
+    An MLA layer (one with a ``kv_lora_rank``) caches one latent row per token, the compressed
+    KV (``kv_lora_rank`` wide) then the rotary key, and its op takes those two
+    (``do_kv_cache_update(kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype,
+    k_scale)``). kvcloud stores that row as one KV head whose K is the row's first half and V
+    its second (``keys.mla_dims``): canonical K ‖ V of a token is the row."""
+    latent = getattr(layer, "kv_lora_rank", None)
+    if latent is None:
+        layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
+        return
+    n = key.shape[0]
+    row = torch.cat([key.reshape(n, -1), value.reshape(n, -1)], dim=1)
+    scale = getattr(layer, "_k_scale", None)
+    if scale is None:
+        scale = torch.ones((), dtype=torch.float32, device=cache.device)
+    layer.impl.do_kv_cache_update(
+        row[:, :latent].contiguous(),
+        row[:, latent:].reshape(n, 1, -1).contiguous(),
+        cache,
+        slots,
+        "auto",  # an unquantized cache: the only kind the connector stores
+        scale,
+    )
+
+
 def learn_layout(
     layer: Any,
     cache: torch.Tensor,
@@ -309,7 +339,8 @@ def learn_layout(
     num_kv_heads: int,
     head_dim: int,
 ) -> BlockLayout:
-    """Learn one layer's block layout by writing probes through ``layer.impl``."""
+    """Learn one layer's block layout by writing probes through ``layer.impl``
+    (``write_probe``)."""
     block_dim = find_block_dim(cache, num_blocks)
     scratch_shape = list(cache.shape)
     scratch_shape[block_dim] = 1
@@ -333,7 +364,7 @@ def learn_layout(
         digits = (index // _BASE**p) % _BASE + 1
         kv = digits.view(2, block_size, num_kv_heads, head_dim).to(cache.dtype)
         scratch.zero_()
-        layer.impl.do_kv_cache_update(layer, kv[0].contiguous(), kv[1].contiguous(), scratch, slots)
+        write_probe(layer, kv[0].contiguous(), kv[1].contiguous(), scratch, slots)
         seen = scratch.select(block_dim, 0).reshape(-1).to(torch.float64).cpu().round().long()
         written &= seen > 0
         found += (seen - 1).clamp(min=0) * _BASE**p
