@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import logging
 import threading
 import time
@@ -119,6 +120,39 @@ class PullResult:
 
 def _hex(fps: Sequence[bytes]) -> list[str]:
     return [fp.hex() for fp in fps]
+
+
+def _stage_bounds(ns: Namespace, stages: Sequence[int] | None) -> tuple[int, ...]:
+    """Pipeline stages' layer boundaries, checked: from 0 to the namespace's layers, rising."""
+    bounds = tuple(int(b) for b in stages) if stages else (0, ns.num_layers)
+    if (
+        len(bounds) < 2
+        or bounds[0] != 0
+        or bounds[-1] != ns.num_layers
+        or any(a >= b for a, b in itertools.pairwise(bounds))
+    ):
+        raise LayoutError(f"stages {list(bounds)} do not split {ns.num_layers} layers")
+    return bounds
+
+
+def _stage_pairs(bounds: Sequence[int]) -> list[tuple[int, int]]:
+    return list(itertools.pairwise(bounds))
+
+
+def _grid(ns: Namespace, entry: IndexEntry) -> list[tuple[int, int, int, int]] | None:
+    """Every part an entry names as (layer lo, layer hi, head lo, head hi), in key order;
+    None when the entry's layout cannot be a chunk of ``ns`` (stages that do not tile its
+    layers, parts that do not split its heads)."""
+    out: list[tuple[int, int, int, int]] = []
+    at = 0
+    for layers, keys in entry.stages:
+        lo, hi = layers if layers is not None else (0, ns.num_layers)
+        if lo != at or hi <= lo or ns.num_kv_heads % len(keys):
+            return None
+        w = ns.num_kv_heads // len(keys)
+        out += [(lo, hi, j * w, (j + 1) * w) for j in range(len(keys))]
+        at = hi
+    return out if at == ns.num_layers else None
 
 
 class KVCloud(Closing):
@@ -388,17 +422,20 @@ class KVCloud(Closing):
         fp: bytes,
         parent: bytes,
         kv: np.ndarray,
-        heads: tuple[int, int],
+        heads: tuple[int, int] | None,
         *,
+        layers: tuple[int, int] | None = None,
         codec: str | None = None,
         tenant: str | None = None,
     ) -> tuple[str, int]:
         """Store one part of a chunk, KV heads [lo, hi) of the namespace's (``kv`` is
         ``[layers, 2, tokens, hi - lo, head_dim]``), as an object of its own, and return its
-        key and size. No index entry names it yet: whoever knows when every part is stored
-        (the engine's scheduler, told by each tensor-parallel rank) registers the chunk with
-        ``register_parts``. Until then the chunk is a miss (DESIGN §4: no entry before its
-        objects); a part never registered is collected by gc like any unreferenced object."""
+        key and size. ``layers`` (lo, hi) makes it a pipeline stage's part: only those layers
+        (``kv`` ``[hi - lo, 2, ...]``); None for either means all of them. No index entry
+        names it yet: ``offer_part`` (each writer, after its part is stored) registers the
+        chunk once every part is in. Until then the chunk is a miss (DESIGN §4: no entry
+        before its objects); a part never registered is collected by gc like any
+        unreferenced object."""
         codec = ns.quant or codec or self.config.codec
         seg = encode_segment_parts(
             ns,
@@ -409,6 +446,7 @@ class KVCloud(Closing):
             key=self._write_key(tenant),
             version=self.config.segment_version,
             heads=heads,
+            layers=layers,
         )
         okey = seg.key()
         created = self._put_or_revive(okey, seg.parts)
@@ -419,14 +457,19 @@ class KVCloud(Closing):
         self,
         ns: Namespace,
         fp: bytes,
-        heads: tuple[int, int],
+        heads: tuple[int, int] | None,
         key: str,
         size: int,
         n_tokens: int,
         parts: int,
+        *,
+        layers: tuple[int, int] | None = None,
+        stages: Sequence[int] | None = None,
     ) -> bool:
         """After ``store_part``: record this part in the index, and register the chunk if
-        every one of its ``parts`` (equal head ranges) is recorded. Each writer records its
+        every one of its ``parts`` (equal head ranges) is recorded, in every pipeline stage:
+        ``stages`` are the stages' layer boundaries (``[0, 2, 4]``: layers [0, 2) and [2, 4)),
+        ``layers`` this part's stage; None for a chunk not split by layers. Each writer records its
         part before it reads the others', so of writers finishing together at least one
         sees them all, and the chunk's entry is written once (SET NX makes a second
         registration a no-op). No coordinator: a chunk becomes visible as soon as its last
@@ -436,19 +479,33 @@ class KVCloud(Closing):
         expires with the index's TTL. True if this call registered the chunk."""
         if ns.num_kv_heads % parts:
             raise LayoutError(f"{parts} parts cannot split {ns.num_kv_heads} KV heads evenly")
+        bounds = _stage_bounds(ns, stages)
+        if (layers is None) != (len(bounds) == 2) or (
+            layers is not None and layers not in _stage_pairs(bounds)
+        ):
+            raise LayoutError(f"layers {layers} are not one of the stages {list(bounds)}")
         now = time.time()
-        self.index.register(
-            ns.id, part_record_fp(fp, heads).hex(), IndexEntry(key, n_tokens, size, now)
-        )
         w = ns.num_kv_heads // parts
+        mine = heads if heads is not None else (0, ns.num_kv_heads)
+        self.index.register(
+            ns.id, part_record_fp(fp, mine, layers).hex(), IndexEntry(key, n_tokens, size, now)
+        )
+        grid = [
+            (stage, [(j * w, (j + 1) * w) for j in range(parts)])
+            for stage in (_stage_pairs(bounds) if layers is not None else [None])
+        ]
         found = self.index.lookup(
-            ns.id, [part_record_fp(fp, (j * w, (j + 1) * w)).hex() for j in range(parts)]
+            ns.id,
+            [part_record_fp(fp, h, stage).hex() for stage, hs in grid for h in hs],
         )
         if any(e is None for e in found):
             return False
         keys = [e.object_key for e in found if e is not None]
         total = sum(e.size for e in found if e is not None)
-        return self.register_parts(ns, fp, keys, n_tokens, total)
+        if layers is None:
+            return self.register_parts(ns, fp, keys, n_tokens, total)
+        rows = [(stage, keys[s * parts : (s + 1) * parts]) for s, (stage, _) in enumerate(grid)]
+        return self._register(ns, fp, IndexEntry.of_grid(rows, n_tokens, total, time.time()))
 
     def register_parts(
         self, ns: Namespace, fp: bytes, keys: Sequence[str], n_tokens: int, size: int
@@ -457,7 +514,9 @@ class KVCloud(Closing):
         already stored by ``store_part``). True if the entry was created now."""
         if ns.num_kv_heads % len(keys):
             raise LayoutError(f"{len(keys)} parts cannot split {ns.num_kv_heads} KV heads evenly")
-        entry = IndexEntry.of_parts(keys, n_tokens, size, time.time())
+        return self._register(ns, fp, IndexEntry.of_parts(keys, n_tokens, size, time.time()))
+
+    def _register(self, ns: Namespace, fp: bytes, entry: IndexEntry) -> bool:
         created = self.index.register(ns.id, fp.hex(), entry)
         self._count(chunks_pushed=int(created))
         return created
@@ -558,6 +617,7 @@ class KVCloud(Closing):
         dests: Sequence[np.ndarray],
         *,
         heads: tuple[int, int] | None = None,
+        layers: tuple[int, int] | None = None,
         on_layer: Callable[[int, int], None] | None = None,
     ) -> PullResult:
         """Pull chunk i of the match into ``dests[i]`` (e.g. free KV-cache pages).
@@ -570,21 +630,24 @@ class KVCloud(Closing):
         With ``heads`` (lo, hi) the destinations hold only KV heads [lo, hi) of the
         namespace's (``[layers, 2, chunk_tokens, hi - lo, head_dim]``: what one tensor-parallel
         rank holds), and only those are pulled: from a chunk stored in parts, the parts that
-        overlap them; from one stored whole, the object, of which they are kept."""
+        overlap them; from one stored whole, the object, of which they are kept. With
+        ``layers`` (lo, hi) likewise for layers (what one pipeline stage holds: destinations
+        ``[hi - lo, 2, ...]``, and ``on_layer`` counts from the first of them)."""
         if len(dests) < len(m.chunks):
             raise LayoutError(f"{len(dests)} destinations for {len(m.chunks)} chunks")
         c = m.ns.chunk_tokens
-        if heads is None:
+        if heads is None and layers is None:
             dests = [m.ns.check_array(d, c) for d in dests[: len(m.chunks)]]
         else:
-            want = m.ns.kv_shape(c)[:3] + part_layout(m.ns, heads)[1:]
+            n_layers, n_heads, dim = part_layout(m.ns, heads, layers)
+            want = (n_layers, 2, c, n_heads, dim)
             for d in dests[: len(m.chunks)]:
                 if tuple(d.shape) != want or d.dtype.itemsize != m.ns.dtype_info.itemsize:
                     raise LayoutError(
-                        f"a destination for KV heads [{heads[0]}, {heads[1]}) is {list(want)} "
-                        f"of {m.ns.dtype}, got {list(d.shape)} of {d.dtype}"
+                        f"a destination for KV heads {heads or 'all'}, layers {layers or 'all'} "
+                        f"is {list(want)} of {m.ns.dtype}, got {list(d.shape)} of {d.dtype}"
                     )
-        n_ok, failures, nbytes = self._pull_into(m, dests, heads, on_layer)
+        n_ok, failures, nbytes = self._pull_into(m, dests, heads, on_layer, layers)
         empty = np.empty(m.ns.kv_shape(0), dtype=m.ns.dtype_info.storage)
         return PullResult(empty, n_ok * c, n_ok, nbytes, failures)
 
@@ -594,51 +657,55 @@ class KVCloud(Closing):
         dests: Sequence[np.ndarray],
         heads: tuple[int, int] | None = None,
         on_layer: Callable[[int, int], None] | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> tuple[int, list[tuple[int, str]], int]:
         ns = m.ns
         dkey = self.data_key(m.tenant)
         must_encrypt = self.encrypts(m.tenant)
         lo, hi = heads if heads is not None else (0, ns.num_kv_heads)
+        l_lo, l_hi = layers if layers is not None else (0, ns.num_layers)
 
         def fetch(i: int) -> tuple[str, int]:
             ref = m.chunks[i]
             keys = ref.entry.keys
-            if len(keys) == 1 and heads is None:
+            if len(keys) == 1 and heads is None and layers is None:
                 layer_done = None if on_layer is None else functools.partial(on_layer, i)
-                return fetch_object(ref, keys[0], dests[i], None, layer_done)
+                return fetch_object(ref, keys[0], dests[i], None, None, layer_done)
             reason, size = fetch_parts(i)
             if reason == "ok" and on_layer is not None:
-                for layer in range(ns.num_layers):  # every part is in: each layer is
+                for layer in range(l_hi - l_lo):  # every part is in: each layer is
                     on_layer(i, layer)
             return reason, size
 
         def fetch_parts(i: int) -> tuple[str, int]:
             ref = m.chunks[i]
-            keys = ref.entry.keys
-            if ns.num_kv_heads % len(keys):
-                log.warning("entry %s names %d parts of %d KV heads", ref.fp.hex()[:16],
-                            len(keys), ns.num_kv_heads)  # fmt: skip
+            keys, grid = ref.entry.keys, _grid(ns, ref.entry)
+            if grid is None:
+                log.warning("entry %s names parts that are not a grid of %d layers × %d KV "
+                            "heads: %s", ref.fp.hex()[:16], ns.num_layers, ns.num_kv_heads,
+                            ref.entry.object_key[:200])  # fmt: skip
                 return "corrupt:parts", 0
-            width = ns.num_kv_heads // len(keys)
             total = 0
-            for j, key in enumerate(keys):
-                p_lo, p_hi = j * width, (j + 1) * width
+            for key, (pl_lo, pl_hi, p_lo, p_hi) in zip(keys, grid, strict=True):
                 a, b = max(p_lo, lo), min(p_hi, hi)
-                if a >= b:
-                    continue  # a part holding none of the heads asked for
-                part = None if len(keys) == 1 else (p_lo, p_hi)
-                target = dests[i][:, :, :, a - lo : b - lo]
-                if (a, b) == (p_lo, p_hi):
-                    reason, size = fetch_object(ref, key, target, part)
+                la, lb = max(pl_lo, l_lo), min(pl_hi, l_hi)
+                if a >= b or la >= lb:
+                    continue  # a part holding none of the heads or layers asked for
+                # the range a part's header names: None where it holds all of them
+                part = None if (p_lo, p_hi) == (0, ns.num_kv_heads) else (p_lo, p_hi)
+                stage = None if (pl_lo, pl_hi) == (0, ns.num_layers) else (pl_lo, pl_hi)
+                target = dests[i][la - l_lo : lb - l_lo, :, :, a - lo : b - lo]
+                if (a, b, la, lb) == (p_lo, p_hi, pl_lo, pl_hi):
+                    reason, size = fetch_object(ref, key, target, part, stage)
                 else:
-                    # an object wider than the heads asked for: pulled whole, sliced here
+                    # an object wider than what is asked for: pulled whole, sliced here
                     room = np.empty(
-                        (*ns.kv_shape(ns.chunk_tokens)[:3], p_hi - p_lo, ns.head_dim),
+                        (pl_hi - pl_lo, 2, ns.chunk_tokens, p_hi - p_lo, ns.head_dim),
                         dtype=dests[i].dtype,
                     )
-                    reason, size = fetch_object(ref, key, room, part)
+                    reason, size = fetch_object(ref, key, room, part, stage)
                     if reason == "ok":
-                        target[...] = room[:, :, :, a - p_lo : b - p_lo]
+                        target[...] = room[la - pl_lo : lb - pl_lo, :, :, a - p_lo : b - p_lo]
                 if reason != "ok":
                     return reason, 0
                 total += size
@@ -649,6 +716,7 @@ class KVCloud(Closing):
             key: str,
             dest: np.ndarray,
             part: tuple[int, int] | None,
+            stage: tuple[int, int] | None,
             layer_done: Callable[[int], None] | None = None,
         ) -> tuple[str, int]:
             try:
@@ -667,6 +735,7 @@ class KVCloud(Closing):
                         key=dkey,
                         require_encryption=must_encrypt,
                         heads=part,
+                        layers=stage,
                         on_layer=layer_done,
                     )
                 return "ok", size

@@ -102,12 +102,13 @@ def segment_aad(
     payload_len: int,
     key_id: str,
     heads: tuple[int, int] | None = None,
+    layers: tuple[int, int] | None = None,
 ) -> bytes:
     """What the tag binds besides the ciphertext: every header field but the nonce.
 
     Built from parsed values, not from the header's wire bytes, so it does not depend on how
-    a msgpack encoder chose to lay out the map. A part's head range is appended only when
-    set, so a whole chunk's AAD is what it always was.
+    a msgpack encoder chose to lay out the map. A part's head range (and a pipeline stage's
+    layer range) is appended only when set, so a whole chunk's AAD is what it always was.
     """
     fields: list[Any] = [
         _AAD_LABEL,
@@ -124,8 +125,10 @@ def segment_aad(
         ALG,
         key_id,
     ]
-    if heads is not None:
-        fields.append([int(heads[0]), int(heads[1])])
+    if heads is not None or layers is not None:
+        fields.append(None if heads is None else [int(heads[0]), int(heads[1])])
+    if layers is not None:
+        fields.append([int(layers[0]), int(layers[1])])
     return msgpack.packb(fields, use_bin_type=True)
 
 

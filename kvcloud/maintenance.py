@@ -389,8 +389,10 @@ def _entry_problem(rec: EntryRecord, checks: dict[str, _ObjectCheck], deep: bool
     size than the entry says (the parts' sizes summed), or, deep, not the object named."""
     e = rec.entry
     keys = e.keys
+    # where each key sits: its pipeline stage's layers, its place among the stage's parts
+    places = [(layers, j, len(ks)) for layers, ks in e.stages for j in range(len(ks))]
     total = 0
-    for j, key in enumerate(keys):
+    for key, (layers, j, n_parts) in zip(keys, places, strict=True):
 
         def problem(kind: str, detail: str, key: str = key) -> Problem:
             return Problem(kind, key, detail, ns=rec.ns, fp=rec.fp)
@@ -414,19 +416,27 @@ def _entry_problem(rec: EntryRecord, checks: dict[str, _ObjectCheck], deep: bool
             assert h is not None
             # a part's record (KVCloud.offer_part) sits under a fingerprint derived from its
             # chunk's and its head range
-            record = h.heads is not None and part_record_fp(h.fp, h.heads).hex() == rec.fp
+            record = (h.heads is not None or h.layers is not None) and part_record_fp(
+                h.fp, h.heads or (0, h.layout[1]), h.layers
+            ).hex() == rec.fp
             if h.fp.hex() != rec.fp and not record:
                 return problem("corrupt", f"header fingerprint {h.fp.hex()[:16]}… != entry's")
             if h.n_tokens != e.n_tokens:
                 return problem("corrupt", f"header holds {h.n_tokens} tokens, entry {e.n_tokens}")
-            if len(keys) > 1:
-                heads = h.layout[1] * len(keys)  # equal parts of the chunk's heads
-                want = (j * heads // len(keys), (j + 1) * heads // len(keys))
+            if record:
+                continue
+            if h.layers != layers:
+                return problem(
+                    "corrupt", f"part holds layers {h.layers}, the entry's stage is {layers}"
+                )
+            if n_parts > 1:
+                heads = h.layout[1] * n_parts  # equal parts of the chunk's heads
+                want = (j * heads // n_parts, (j + 1) * heads // n_parts)
                 if h.heads != want:
                     return problem(
                         "corrupt", f"part {j} holds KV heads {h.heads}, the entry's is {want}"
                     )
-            elif h.heads is not None and not record:
+            elif h.heads is not None:
                 return problem("corrupt", f"entry names one part (KV heads {h.heads}) as whole")
     if total != e.size:
         detail = f"{len(keys)} parts hold {total} bytes, entry says {e.size}"

@@ -239,6 +239,8 @@ class SegmentHeader:
     encryption: dict[str, Any]
     # a part of a chunk: the KV heads [lo, hi) of the namespace's; None for a whole chunk
     heads: tuple[int, int] | None = None
+    # a pipeline stage's part: layers [lo, hi) of the namespace's; None for every layer
+    layers: tuple[int, int] | None = None
     # format 3: BLAKE3-256 of each payload piece (``piece_bounds``), which the key covers
     pieces: tuple[bytes, ...] = ()
 
@@ -275,6 +277,7 @@ class SegmentHeader:
             payload_len=self.payload_len,
             key_id=self.key_id or "",
             heads=self.heads,
+            layers=self.layers,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -296,6 +299,8 @@ class SegmentHeader:
         }
         if self.heads is not None:
             d["heads"] = list(self.heads)
+        if self.layers is not None:
+            d["layers"] = list(self.layers)
         if self.pieces:
             d["pieces"] = [p.hex() for p in self.pieces]
         return d
@@ -402,6 +407,7 @@ def _new_header(
     codec: str,
     version: int,
     heads: tuple[int, int] | None = None,
+    layers: tuple[int, int] | None = None,
 ) -> tuple[np.ndarray, dict[str, Any], str]:
     """Check what is about to be encoded; return the checked array, the header of an
     unencrypted object (``payload_len`` still 0) and the digest algorithm."""
@@ -416,8 +422,8 @@ def _new_header(
         )
     if len(fp) != FP_BYTES or len(parent) != FP_BYTES:
         raise LayoutError("fingerprints must be 32 bytes")
-    layout = part_layout(ns, heads)
-    if heads is None:
+    layout = part_layout(ns, heads, layers)
+    if heads is None and layers is None:
         kv = ns.check_array(kv)
     elif kv.ndim != 5 or (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) != (
         layout[0],
@@ -426,8 +432,8 @@ def _new_header(
         layout[2],
     ):
         raise LayoutError(
-            f"a part of KV heads {_heads_str(heads)} is [layers, 2, tokens, "
-            f"{layout[1]}, {layout[2]}], got {list(kv.shape)}"
+            f"a part of KV heads {_heads_str(heads)}, layers {_heads_str(layers)} is "
+            f"[{layout[0]}, 2, tokens, {layout[1]}, {layout[2]}], got {list(kv.shape)}"
         )
     elif kv.dtype.itemsize != ns.dtype_info.itemsize:
         raise LayoutError(f"array dtype {kv.dtype} does not match the namespace's {ns.dtype}")
@@ -443,12 +449,14 @@ def _new_header(
         "layout": list(layout),
         "dtype": ns.dtype,
         "codec": codec,
-        "raw_len": n_tokens * ns.bytes_per_token * layout[1] // ns.num_kv_heads,
+        "raw_len": n_tokens * 2 * layout[0] * layout[1] * layout[2] * ns.dtype_info.itemsize,
         "payload_len": 0,
         "enc": {"alg": "none"},
     }
     if heads is not None:
         header["heads"] = [int(heads[0]), int(heads[1])]
+    if layers is not None:
+        header["layers"] = [int(layers[0]), int(layers[1])]
     return kv, header, DIGEST_ALGS[version]
 
 
@@ -463,6 +471,7 @@ def encode_segment(
     key: TenantKey | None = None,
     version: int = SEGMENT_VERSION,
     heads: tuple[int, int] | None = None,
+    layers: tuple[int, int] | None = None,
 ) -> EncodedSegment:
     """Encode one segment ``[layers, 2, n_tokens, kv_heads, head_dim]`` into object bytes.
 
@@ -470,9 +479,10 @@ def encode_segment(
     deterministic: the same chunk under the same key always encodes to the same bytes.
     ``version`` 1 writes the SHA-256-addressed format older builds read (tests, rollbacks).
     With ``heads`` (lo, hi) the object is a part: KV heads [lo, hi) of the chunk, ``kv``
-    ``[layers, 2, n_tokens, hi - lo, head_dim]``.
+    ``[layers, 2, n_tokens, hi - lo, head_dim]``; with ``layers`` (lo, hi) a part of a
+    pipeline stage: only those layers, ``kv`` ``[hi - lo, 2, ...]``.
     """
-    kv, header, alg = _new_header(ns, fp, parent, kv, codec, version, heads)
+    kv, header, alg = _new_header(ns, fp, parent, kv, codec, version, heads, layers)
     raw_len = header["raw_len"]
     if codec == "raw" and key is not None:
         return _seal(header, _plain_parts(kv), raw_len, key, alg)
@@ -536,6 +546,7 @@ def encode_segment_parts(
     key: TenantKey | None = None,
     version: int = SEGMENT_VERSION,
     heads: tuple[int, int] | None = None,
+    layers: tuple[int, int] | None = None,
 ) -> SegmentParts:
     """encode_segment for a store that can write scattered buffers (``file://``'s writev).
 
@@ -547,10 +558,11 @@ def encode_segment_parts(
     """
     if codec != "raw" or key is not None:
         seg = encode_segment(
-            ns, fp, parent, kv, codec, level, key=key, version=version, heads=heads
-        )
+            ns, fp, parent, kv, codec, level, key=key, version=version, heads=heads,
+            layers=layers,
+        )  # fmt: skip
         return SegmentParts(seg.digest, (seg.data,), seg.header, len(seg.data))
-    kv, header, alg = _new_header(ns, fp, parent, kv, "raw", version, heads)
+    kv, header, alg = _new_header(ns, fp, parent, kv, "raw", version, heads, layers)
     raw_len = header["payload_len"] = header["raw_len"]
     plain = _plain_parts(kv)
     if version >= 3:
@@ -658,6 +670,17 @@ def _parse_header(h: Any) -> SegmentHeader:
         if not 0 <= lo < hi < 1 << 20 or hi - lo != layout[1]:
             raise MalformedHeaderError(f"heads [{lo}, {hi}) disagree with the layout's {layout[1]}")
         part = (lo, hi)
+    stage = None
+    if "layers" in h:
+        rng = _field(h, "layers", list)
+        if len(rng) != 2 or any(type(x) is not int for x in rng):
+            raise MalformedHeaderError("layers must be two ints")
+        lo, hi = rng
+        if not 0 <= lo < hi < 1 << 20 or hi - lo != layout[0]:
+            raise MalformedHeaderError(
+                f"layers [{lo}, {hi}) disagree with the layout's {layout[0]}"
+            )
+        stage = (lo, hi)
     return SegmentHeader(
         version=version,
         ns=ns,
@@ -671,6 +694,7 @@ def _parse_header(h: Any) -> SegmentHeader:
         payload_len=payload_len,
         encryption=dict(enc),
         heads=part,
+        layers=stage,
         pieces=pieces,
     )
 
@@ -710,19 +734,28 @@ def check_header(
     parent: bytes | None = None,
     n_tokens: int | None = None,
     heads: tuple[int, int] | None = None,
+    layers: tuple[int, int] | None = None,
 ) -> None:
     """A well-formed object can still be the wrong one (swapped out of band): compare.
 
-    With ``ns``, ``heads`` is the part asked for: KV heads [lo, hi) of the namespace's, or
-    None for a whole chunk; an object holding anything else is the wrong one."""
+    With ``ns``, ``heads`` and ``layers`` are the part asked for: KV heads [lo, hi) and layers
+    [lo, hi) of the namespace's, or None for all of them; an object holding anything else is
+    the wrong one."""
     if ns is not None:
         if header.heads != (None if heads is None else tuple(heads)):
             raise HeaderMismatchError(
                 f"object holds KV heads {_heads_str(header.heads)}, asked for {_heads_str(heads)}"
             )
+        if header.layers != (None if layers is None else tuple(layers)):
+            raise HeaderMismatchError(
+                f"object holds layers {_heads_str(header.layers)}, asked for {_heads_str(layers)}"
+            )
         if header.ns != ns.id:
             raise HeaderMismatchError(f"object belongs to namespace {header.ns}, not {ns.id}")
-        if header.layout != part_layout(ns, header.heads) or header.dtype != ns.dtype:
+        if (
+            header.layout != part_layout(ns, header.heads, header.layers)
+            or header.dtype != ns.dtype
+        ):
             raise HeaderMismatchError("object layout or dtype differs from the namespace")
         if header.n_tokens > ns.chunk_tokens:
             raise HeaderMismatchError("object holds more tokens than a chunk")
@@ -741,26 +774,37 @@ def check_header(
         raise HeaderMismatchError(f"object holds {header.n_tokens} tokens, expected {n_tokens}")
 
 
-def part_record_fp(fp: bytes, heads: tuple[int, int]) -> bytes:
+def part_record_fp(
+    fp: bytes, heads: tuple[int, int], layers: tuple[int, int] | None = None
+) -> bytes:
     """The index fingerprint under which one part of chunk ``fp`` is recorded until the
-    chunk is registered (``KVCloud.offer_part``): derived, so no prompt's chain reaches it."""
-    return hashlib.blake2b(
-        b"kvcloud-part\0" + bytes(fp) + struct.pack("<II", *heads), digest_size=FP_BYTES
-    ).digest()
+    chunk is registered (``KVCloud.offer_part``): derived, so no prompt's chain reaches it.
+    A pipeline stage's part adds its layer range (a head-only part's record is unchanged)."""
+    rng = struct.pack("<II", *heads) + (b"" if layers is None else struct.pack("<II", *layers))
+    return hashlib.blake2b(b"kvcloud-part\0" + bytes(fp) + rng, digest_size=FP_BYTES).digest()
 
 
 def _heads_str(heads: tuple[int, int] | None) -> str:
     return "all" if heads is None else f"[{heads[0]}, {heads[1]})"
 
 
-def part_layout(ns: Namespace, heads: tuple[int, int] | None) -> tuple[int, int, int]:
-    """The layout of a part holding KV heads [lo, hi) of ``ns`` (the whole chunk's for None)."""
-    if heads is None:
-        return ns.layout
-    lo, hi = heads
-    if not 0 <= lo < hi <= ns.num_kv_heads:
-        raise LayoutError(f"KV heads [{lo}, {hi}) out of the namespace's {ns.num_kv_heads}")
-    return (ns.num_layers, hi - lo, ns.head_dim)
+def part_layout(
+    ns: Namespace, heads: tuple[int, int] | None, layers: tuple[int, int] | None = None
+) -> tuple[int, int, int]:
+    """The layout of a part holding KV heads [lo, hi) and layers [lo, hi) of ``ns`` (all of
+    them for None)."""
+    n_heads, n_layers = ns.num_kv_heads, ns.num_layers
+    if heads is not None:
+        lo, hi = heads
+        if not 0 <= lo < hi <= ns.num_kv_heads:
+            raise LayoutError(f"KV heads [{lo}, {hi}) out of the namespace's {ns.num_kv_heads}")
+        n_heads = hi - lo
+    if layers is not None:
+        lo, hi = layers
+        if not 0 <= lo < hi <= ns.num_layers:
+            raise LayoutError(f"layers [{lo}, {hi}) out of the namespace's {ns.num_layers}")
+        n_layers = hi - lo
+    return (n_layers, n_heads, ns.head_dim)
 
 
 def _check_encryption(
@@ -823,6 +867,7 @@ def decode_segment(
     key: TenantKey | None = None,
     require_encryption: bool = False,
     heads: tuple[int, int] | None = None,
+    layers: tuple[int, int] | None = None,
 ) -> DecodedSegment:
     """Verify and decode an object. With ``out``, the KV is copied into it and it is returned.
 
@@ -838,7 +883,7 @@ def decode_segment(
     header, offset = read_header(view)
     if digest is not None:
         _check_version_alg(header, digest_alg(digest))
-    check_header(header, ns=ns, fp=fp, parent=parent, n_tokens=n_tokens, heads=heads)
+    check_header(header, ns=ns, fp=fp, parent=parent, n_tokens=n_tokens, heads=heads, layers=layers)
     if ns is None and header.raw_len > MAX_UNBOUND_RAW_LEN:
         raise TruncatedObjectError(
             f"object declares {header.raw_len} bytes; decode it with its namespace"
@@ -928,6 +973,7 @@ def read_segment_into(
     key: TenantKey | None = None,
     require_encryption: bool = False,
     heads: tuple[int, int] | None = None,
+    layers: tuple[int, int] | None = None,
     on_layer: Callable[[int], None] | None = None,
 ) -> tuple[SegmentHeader, int]:
     """Decode an object from a stream into ``out`` without holding the object in memory.
@@ -966,6 +1012,7 @@ def read_segment_into(
             key=key,
             require_encryption=require_encryption,
             heads=heads,
+            layers=layers,
             on_layer=on_layer,
         )
     except CorruptObjectError as exc:
@@ -1025,6 +1072,7 @@ def _read_segment_into(
     key: TenantKey | None,
     require_encryption: bool,
     heads: tuple[int, int] | None = None,
+    layers: tuple[int, int] | None = None,
     on_layer: Callable[[int], None] | None = None,
 ) -> tuple[SegmentHeader, int]:
     prefix = _read_exact(reader, _PREFIX.size, "prefix")
@@ -1049,7 +1097,7 @@ def _read_segment_into(
     header = _parse_header(hd)
     if alg is not None:
         _check_version_alg(header, alg)
-    check_header(header, ns=ns, fp=fp, parent=parent, n_tokens=n_tokens, heads=heads)
+    check_header(header, ns=ns, fp=fp, parent=parent, n_tokens=n_tokens, heads=heads, layers=layers)
     if ns is None and header.raw_len > MAX_UNBOUND_RAW_LEN:
         raise TruncatedObjectError("object declares too many bytes; decode it with its namespace")
     storage = np.dtype(DTYPES[header.dtype].storage)

@@ -11,7 +11,7 @@ import msgpack
 import numpy as np
 
 from .errors import CorruptObjectError
-from .indexes.base import PART_SEP
+from .indexes.base import object_keys_of
 
 SESSION_RECORD_VERSION = 1
 
@@ -56,7 +56,7 @@ class SessionRecord:
     def object_keys(self) -> list[str]:
         """Every object this record needs (gc must keep them): a chunk stored in parts (its
         key joins the parts' keys, as the index entry it was taken from) needs each part."""
-        keys = [k for chunk in self.chunk_keys for k in chunk.split(PART_SEP)]
+        keys = [k for chunk in self.chunk_keys for k in object_keys_of(chunk)]
         return [*keys, *([self.tail_key] if self.tail_key else [])]
 
 

@@ -110,6 +110,9 @@ class VLLMServer:
     port: int = 0
     proc: subprocess.Popen | None = None
     python: Path = VLLM_PYTHON  # another virtualenv's vLLM (the load benchmark's LMCache)
+    # --enforce-eager; vLLM 0.32's CPU pipeline parallelism needs its compiled mode (eager,
+    # a later stage never allocates the tensors it receives: AssertionError on a request)
+    eager: bool = True
 
     @property
     def url(self) -> str:
@@ -130,7 +133,7 @@ class VLLMServer:
             "127.0.0.1",
             "--dtype",
             "float32",
-            "--enforce-eager",
+            *(["--enforce-eager"] if self.eager else []),
             "--max-model-len",
             "8192",
             "--enable-prompt-tokens-details",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,6 +17,37 @@ DEFAULT_TTL_SECONDS = 7 * 24 * 3600
 
 # separates the keys of a chunk stored in parts (no object key contains it)
 PART_SEP = ","
+# the last element of a grid entry's key list: the pipeline stages' layer boundaries, as
+# ``@stages=0-2-4`` (layers [0, 2) and [2, 4)); the keys before it are the parts, stage by
+# stage, each stage's in head order. Last and shaped like no key, so a release that does not
+# know grids still sees every part's key (its gc keeps them) and misses on the marker.
+STAGES_MARK = "@stages="
+_STAGES = re.compile(r"@stages=(\d+(?:-\d+)+)")
+
+Stage = tuple[tuple[int, int] | None, tuple[str, ...]]
+
+
+def parse_stages(object_key: str) -> tuple[Stage, ...]:
+    """The parts an entry's object key names, by pipeline stage: ``(layers, keys)`` with
+    layers [lo, hi) and the stage's keys in head order; one stage of every layer (``None``)
+    for a chunk stored whole or in head parts only. A key list whose marker does not parse,
+    or whose keys do not split evenly over its stages, is read as a plain key list (the
+    marker then names no object: a miss), never an error."""
+    keys = object_key.split(PART_SEP)
+    m = _STAGES.fullmatch(keys[-1]) if len(keys) > 1 else None
+    if m is None:
+        return ((None, tuple(keys)),)
+    bounds = [int(b) for b in m[1].split("-")]
+    parts, n = keys[:-1], len(bounds) - 1
+    if len(parts) % n:
+        return ((None, tuple(keys)),)
+    w = len(parts) // n
+    return tuple(((bounds[s], bounds[s + 1]), tuple(parts[s * w : (s + 1) * w])) for s in range(n))
+
+
+def object_keys_of(object_key: str) -> tuple[str, ...]:
+    """Every object an entry's (or a session record's chunk) key names."""
+    return tuple(k for _, keys in parse_stages(object_key) for k in keys)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +59,9 @@ class IndexEntry:
     part, in head order, joined by ``PART_SEP``: part j of P holds KV heads
     [j·H/P, (j+1)·H/P) of the namespace's H. The entry is registered once every part is
     stored, so a lookup still answers in one round trip with everything a pull needs.
+
+    A chunk saved by a pipeline-parallel engine (each stage holding a range of layers) is a
+    grid: per stage its layer range and its parts in head order (``of_grid``, ``stages``).
     """
 
     object_key: str  # store-relative key of the segment object (or the parts' keys)
@@ -35,14 +71,36 @@ class IndexEntry:
 
     @property
     def keys(self) -> tuple[str, ...]:
-        """The objects this entry names: one, or a chunk's parts in head order."""
-        return tuple(self.object_key.split(PART_SEP))
+        """The objects this entry names: one, or a chunk's parts (stage by stage, each in
+        head order)."""
+        return object_keys_of(self.object_key)
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        return parse_stages(self.object_key)
 
     @classmethod
     def of_parts(cls, keys: Sequence[str], n_tokens: int, size: int, created: float) -> IndexEntry:
-        if not keys or any(not k or PART_SEP in k for k in keys):
-            raise ValueError(f"part keys must be non-empty and free of {PART_SEP!r}")
-        return cls(PART_SEP.join(keys), n_tokens, size, created)
+        return cls(_join_keys(keys), n_tokens, size, created)
+
+    @classmethod
+    def of_grid(
+        cls,
+        stages: Sequence[tuple[tuple[int, int], Sequence[str]]],
+        n_tokens: int,
+        size: int,
+        created: float,
+    ) -> IndexEntry:
+        """A chunk stored by pipeline stages: ``(layers, keys)`` per stage, in layer order."""
+        if len(stages) == 1:
+            return cls.of_parts(stages[0][1], n_tokens, size, created)
+        if len({len(keys) for _, keys in stages}) != 1 or any(
+            a[0][1] != b[0][0] for a, b in itertools.pairwise(stages)
+        ):
+            raise ValueError("stages must be adjacent layer ranges with as many parts each")
+        mark = STAGES_MARK + "-".join(str(b) for b in [stages[0][0][0], *(s[0][1] for s in stages)])
+        keys = [k for _, ks in stages for k in ks]
+        return cls(f"{_join_keys(keys)}{PART_SEP}{mark}", n_tokens, size, created)
 
     def pack(self) -> bytes:
         return msgpack.packb([self.object_key, self.n_tokens, self.size, self.created])
@@ -61,6 +119,12 @@ class EntryRecord:
     fp: str  # hex
     entry: IndexEntry
     expires_at: float | None  # unix seconds, None if it never expires
+
+
+def _join_keys(keys: Sequence[str]) -> str:
+    if not keys or any(not k or PART_SEP in k or k.startswith(STAGES_MARK) for k in keys):
+        raise ValueError(f"part keys must be non-empty and free of {PART_SEP!r}")
+    return PART_SEP.join(keys)
 
 
 def leading_run(found: Sequence[IndexEntry | None]) -> list[IndexEntry]:

@@ -195,6 +195,19 @@ class IndexContract:
         assert index.drop(NS, fp(1), object_key=parts[0]) is False
         assert index.drop(NS, fp(1), object_key=e.object_key) is True
 
+    def test_an_entry_naming_a_grid_of_parts(self, index: Index) -> None:
+        """A chunk stored by pipeline stages (each a layer range, in head parts) comes back
+        with its stages' layer ranges and every key in stage, then head order."""
+        keys = [f"{NS}/{i:02x}/{i:064x}.b3l" for i in (7, 8, 9, 10)]
+        e = IndexEntry.of_grid([((0, 3), keys[:2]), ((3, 5), keys[2:])], 256, 4000, 1.7e9)
+        assert e.stages == (((0, 3), tuple(keys[:2])), ((3, 5), tuple(keys[2:])))
+        assert index.register(NS, fp(1), e) is True
+        assert index.lookup(NS, [fp(1)]) == [e]
+        got = index.lookup_run(NS, [fp(1), fp(2)])[0]
+        assert got.stages == e.stages and got.keys == tuple(keys)
+        assert [r.entry.keys for r in index.iter_entries(NS)] == [tuple(keys)]
+        assert index.drop(NS, fp(1), object_key=e.object_key) is True
+
     # -- expiry -----------------------------------------------------------------------------
 
     def test_sliding_ttl(self, make_index: IndexFactory) -> None:

@@ -7,6 +7,7 @@ backends; verify and gc keep and check every part.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from kvcloud import KVCloud, Namespace
 from kvcloud.errors import HeaderMismatchError, LayoutError, MalformedHeaderError
 from kvcloud.indexes.base import IndexEntry
 from kvcloud.maintenance import gc, verify
-from kvcloud.segment import decode_segment, encode_segment
+from kvcloud.segment import decode_segment, encode_segment, part_layout
 
 H = 4  # KV heads of the namespace
 
@@ -227,3 +228,139 @@ def test_offered_parts_register_the_chunk_once_the_last_is_in(kvc: KVCloud) -> N
     assert kvc.offer_part(ns, fp, (0, 2), key, size, ns.chunk_tokens, 2) is False
     rep = verify(kvc.store, kvc.index, deep=True)
     assert rep.clean and rep.entries_checked == 3 and rep.orphans == 0
+
+
+# -- pipeline stages: parts by layer range ------------------------------------------------------
+
+STAGES = [0, 1, 3]  # uneven, as vLLM splits layers that do not divide evenly
+
+
+def stored_in_stages(kvc: KVCloud, ns: Namespace, n_parts: int, seed: int = 11):  # type: ignore[no-untyped-def]
+    """One chunk stored as a grid of pipeline stages × head parts, each part offered by its
+    own writer in a shuffled order; returns the tokens, the KV and the offers' answers."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 50_000, ns.chunk_tokens)
+    kv = rng.standard_normal(ns.kv_shape(ns.chunk_tokens)).astype(np.float16)
+    fp = kvc.fingerprints(ns, tokens)[0]
+    w = H // n_parts
+    cells = [
+        ((a, b), None if n_parts == 1 else (j * w, (j + 1) * w))
+        for a, b in itertools.pairwise(STAGES)
+        for j in range(n_parts)
+    ]
+    rng.shuffle(cells)  # type: ignore[arg-type]
+    offered = []
+    for (a, b), heads in cells:
+        lo, hi = heads or (0, H)
+        key, size = kvc.store_part(ns, fp, ns.digest, kv[a:b, :, :, lo:hi], heads, layers=(a, b))
+        offered.append(
+            kvc.offer_part(
+                ns, fp, heads, key, size, ns.chunk_tokens, n_parts, layers=(a, b), stages=STAGES
+            )
+        )
+    return tokens, kv, offered
+
+
+@pytest.mark.parametrize("n_parts", [1, 2])
+def test_stage_parts_register_once_all_are_in_and_read_back_by_any_range(
+    kvc: KVCloud, n_parts: int
+) -> None:
+    ns = make_ns()
+    tokens, kv, offered = stored_in_stages(kvc, ns, n_parts)
+    assert offered == [False] * (len(offered) - 1) + [True]
+    entry = kvc.lookup(ns, tokens).chunks[0].entry
+    assert [s[0] for s in entry.stages] == [(0, 1), (1, 3)]
+    assert np.array_equal(kvc.pull(kvc.lookup(ns, tokens)), kv)  # a PP-1, TP-1 reader
+    for layers, heads in [((1, 3), None), ((0, 1), (2, 4)), ((0, 2), (1, 3)), ((2, 3), (0, 4))]:
+        m = kvc.lookup(ns, tokens)
+        n_l, n_h, d = part_layout(ns, heads, layers)
+        dest = np.zeros((n_l, 2, ns.chunk_tokens, n_h, d), np.float16)
+        res = kvc.pull_into(m, [dest], heads=heads, layers=layers)
+        lo, hi = heads or (0, H)
+        assert res.chunks == 1 and not res.failures, (layers, heads)
+        assert np.array_equal(dest, kv[layers[0] : layers[1], :, :, lo:hi]), (layers, heads)
+    rep = verify(kvc.store, kvc.index, deep=True)
+    assert rep.clean and rep.orphans == 0, rep.problems
+    assert gc(kvc.store, kvc.index, grace_seconds=0, settle_seconds=0).objects_deleted == 0
+
+
+def test_a_stage_pulls_only_its_layers(kvc: KVCloud) -> None:
+    ns = make_ns()
+    tokens, _, _ = stored_in_stages(kvc, ns, 1)
+    m = kvc.lookup(ns, tokens)
+    dest = np.zeros((2, 2, ns.chunk_tokens, H, 8), np.float16)
+    res = kvc.pull_into(m, [dest], layers=(1, 3))
+    assert res.bytes == kvc.store.head(m.chunks[0].entry.keys[1]).size  # the second stage's
+
+
+def test_a_whole_chunk_serves_a_stage(kvc: KVCloud) -> None:
+    """What a PP-1 engine stored, a pipeline stage reads: its layers of the whole object."""
+    ns = make_ns()
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 50_000, ns.chunk_tokens)
+    kv = rng.standard_normal(ns.kv_shape(ns.chunk_tokens)).astype(np.float16)
+    kvc.push(ns, tokens, kv)
+    dest = np.zeros((2, 2, ns.chunk_tokens, 2, 8), np.float16)
+    res = kvc.pull_into(kvc.lookup(ns, tokens), [dest], heads=(2, 4), layers=(1, 3))
+    assert res.chunks == 1 and np.array_equal(dest, kv[1:3, :, :, 2:4])
+
+
+def test_stages_in_the_wrong_order_are_a_miss_never_loaded(kvc: KVCloud) -> None:
+    """An entry whose stages name each other's parts: each header's layer range is checked
+    against the stage asked for; a miss, the entry dropped, verify names it."""
+    ns = make_ns()
+    tokens, _, _ = stored_in_stages(kvc, ns, 1)
+    fp = kvc.fingerprints(ns, tokens)[0]
+    e = kvc.lookup(ns, tokens).chunks[0].entry
+    (_, k0), (_, k1) = e.stages
+    forged = IndexEntry.of_grid([((0, 2), k1), ((2, 3), k0)], e.n_tokens, e.size, e.created)
+    assert kvc.index.drop(ns.id, fp.hex(), e.object_key)
+    kvc.index.register(ns.id, fp.hex(), forged)
+    assert any(p.kind == "corrupt" for p in verify(kvc.store, kvc.index, deep=True).problems)
+    res = kvc.pull_detailed(kvc.lookup(ns, tokens))
+    assert res.chunks == 0 and res.failures[0][1].startswith("corrupt")
+    assert kvc.index.lookup(ns.id, [fp.hex()]) == [None]
+
+
+def test_stage_headers_and_grids_are_checked(kvc: KVCloud) -> None:
+    ns = make_ns()
+    kv = np.zeros((2, 2, 16, H, 8), np.float16)
+    fp = b"\1" * 32
+    seg = encode_segment(ns, fp, ns.digest, kv, layers=(1, 3))
+    assert seg.header.layers == (1, 3) and seg.header.layout == (2, H, 8)
+    decode_segment(seg.data, digest=seg.digest, ns=ns, layers=(1, 3))
+    with pytest.raises(HeaderMismatchError, match="layers"):
+        decode_segment(seg.data, digest=seg.digest, ns=ns)  # asked for every layer
+    with pytest.raises(LayoutError):
+        encode_segment(ns, fp, ns.digest, kv, layers=(2, 4))  # past the namespace's layers
+    with pytest.raises(LayoutError):
+        kvc.offer_part(ns, fp, None, "k", 1, 16, 1, layers=(1, 2), stages=STAGES)
+    with pytest.raises(LayoutError):
+        kvc.offer_part(ns, fp, None, "k", 1, 16, 1, layers=(0, 1), stages=[0, 1, 4])
+    # an entry whose stages do not tile the layers is a miss, never loaded
+    tokens = np.arange(16)
+    fp = kvc.fingerprints(ns, tokens)[0]
+    key, size = kvc.store_part(ns, fp, ns.digest, kv, None, layers=(1, 3))
+    kvc.index.register(ns.id, fp.hex(), IndexEntry(f"{key},{key},@stages=1-3-5", 16, size, 0.0))
+    res = kvc.pull_detailed(kvc.lookup(ns, tokens))
+    assert res.chunks == 0 and res.failures == [(0, "corrupt:parts")]
+    with pytest.raises(ValueError):  # stages not adjacent
+        IndexEntry.of_grid([((0, 1), ["a"]), ((2, 3), ["c"])], 16, 1, 0.0)
+    with pytest.raises(ValueError):  # stages of unequal parts
+        IndexEntry.of_grid([((0, 1), ["a"]), ((1, 3), ["b", "c"])], 16, 1, 0.0)
+
+
+def test_grid_keys_parse_and_plain_keys_stay_plain() -> None:
+    from kvcloud.indexes.base import object_keys_of, parse_stages
+
+    e = IndexEntry.of_grid([((0, 2), ["a", "b"]), ((2, 4), ["c", "d"])], 16, 1, 0.0)
+    # the stages' boundaries ride last, so a release that does not know grids still sees
+    # every part's key where it always did (its gc keeps them all)
+    assert e.object_key == "a,b,c,d,@stages=0-2-4"
+    assert e.object_key.split(",")[:4] == ["a", "b", "c", "d"]
+    assert parse_stages(e.object_key) == (((0, 2), ("a", "b")), ((2, 4), ("c", "d")))
+    assert object_keys_of(e.object_key) == ("a", "b", "c", "d")
+    assert parse_stages("ns/ab/abc.b3l") == ((None, ("ns/ab/abc.b3l",)),)
+    # a marker that does not parse, or parts that do not split over it: a plain key list
+    assert parse_stages("a,@stages=0") == ((None, ("a", "@stages=0")),)
+    assert parse_stages("a,b,c,@stages=0-1-2") == ((None, ("a", "b", "c", "@stages=0-1-2")),)

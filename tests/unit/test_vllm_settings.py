@@ -126,7 +126,9 @@ def _vllm_config(**over: object) -> SimpleNamespace:
         model="/m",
         revision=None,
         use_mla=False,
-        get_num_layers=lambda pc: 2,
+        # the stage's layers under pipeline parallelism; the namespace takes the model's
+        get_num_layers=lambda pc: 2 // pc.pipeline_parallel_size,
+        get_total_num_hidden_layers=lambda: 2,
         get_num_kv_heads=lambda pc: 2,
         get_total_num_kv_heads=lambda: 2,
         get_head_size=lambda: 8,
@@ -148,6 +150,18 @@ def test_hf_overrides_and_model_impl_change_the_namespace() -> None:
     rope = vllm_namespace(_vllm_config(hf_overrides={"rope_theta": 20000}), cfg).id
     impl = vllm_namespace(_vllm_config(model_impl="transformers"), cfg).id
     assert len({plain, rope, impl}) == 3
+
+
+def test_every_pipeline_split_has_the_whole_models_namespace() -> None:
+    """A PP-2 vLLM's stages hold half the layers each; its namespace is the model's, so it
+    shares with a PP-1 vLLM (and check_supported lets it start)."""
+    cfg = VLLMConnectorConfig(weights_digest="sha256-x")
+    groups = SimpleNamespace(kv_cache_groups=[object()])
+    plain = vllm_namespace(_vllm_config(), cfg)
+    staged = _vllm_config()
+    staged.parallel_config.pipeline_parallel_size = 2
+    check_supported(staged, groups)
+    assert vllm_namespace(staged, cfg).id == plain.id and plain.num_layers == 2
 
 
 def test_speculative_decoding_with_draft_kv_is_refused() -> None:

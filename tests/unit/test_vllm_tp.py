@@ -2,7 +2,10 @@
 holding half the KV heads in a cache laid out like vLLM's CPU backend, save a chunk as two
 parts; the rank whose part is stored last registers it; a whole-model reader (a TP-1 vLLM,
 kvcloud's own pull) and each rank of another TP-2 vLLM restore it bit for bit. And the
-reverse: a chunk a TP-1 vLLM stored whole restores into each TP-2 rank's heads.
+reverse: a chunk a TP-1 vLLM stored whole restores into each TP-2 rank's heads. The same
+for pipeline parallelism: four worker sides playing a PP-2 × TP-2 vLLM (each stage holding
+half the layers) save a chunk as a grid of four parts, restored by whole-model readers and
+by each rank of the grid.
 """
 
 from __future__ import annotations
@@ -60,14 +63,18 @@ def test_shard_of_refuses_what_vllm_cannot_split() -> None:
         shard_of(2, 2, 4)
 
 
+L = 4  # the model's layers (two pipeline stages of two)
+
+
 def rank(tmp_path: Path, shard: Shard, **cfg: object) -> tuple[WorkerSide, KVCloud]:
-    ns = make_ns("float32", num_kv_heads=H)
+    ns = make_ns("float32", num_kv_heads=H, num_layers=L)
     kvc = KVCloud.open(store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db", secret="s")
     config = VLLMConnectorConfig(**cfg)  # type: ignore[arg-type]
     vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS))
     ws = WorkerSide(config, ns, kvc, vllm_config, SimpleNamespace(num_blocks=N_BLOCKS), shard=shard)
-    for layer in range(ns.num_layers):
-        name = f"model.layers.{layer}.self_attn.attn"
+    first = shard.layers[0] if shard.layers else 0
+    for layer in range(ws.num_layers):  # a stage's caches are its own layers, counted from 0
+        name = f"model.layers.{first + layer}.self_attn.attn"
         cache = torch.zeros(N_BLOCKS, shard.num_heads, BS, 2 * ns.head_dim)
         ws.caches[name], ws.layer_index[name] = cache, layer
         ws.layouts[name] = learn_layout(
@@ -77,19 +84,26 @@ def rank(tmp_path: Path, shard: Shard, **cfg: object) -> tuple[WorkerSide, KVClo
 
 
 def fill(ws: WorkerSide, kv: np.ndarray, blocks: list[int]) -> None:
-    """What vLLM's forward pass leaves in a rank's blocks: its heads of ``kv``."""
+    """What vLLM's forward pass leaves in a rank's blocks: its heads (and layers) of ``kv``."""
     lo, hi = ws.shard.lo, ws.shard.hi
+    first = ws.shard.layers[0] if ws.shard.layers else 0
     for name, layer in ws.layer_index.items():
-        part = torch.from_numpy(np.ascontiguousarray(kv[layer, :, :, lo:hi]))
+        part = torch.from_numpy(np.ascontiguousarray(kv[first + layer, :, :, lo:hi]))
         ws.layouts[name].scatter(ws.caches[name], blocks, part)
 
 
 def restores_its_heads(
-    where: Path, r: int, client: KVCloud, m: Any, kv: np.ndarray, blocks: list[list[int]]
+    where: Path,
+    r: int,
+    client: KVCloud,
+    m: Any,
+    kv: np.ndarray,
+    blocks: list[list[int]],
+    shard: Shard | None = None,
 ) -> None:
-    """Rank ``r`` of a TP-2 vLLM restores the match ``m`` into ``blocks``: its caches then
-    hold exactly its heads of ``kv``."""
-    ws, _ = rank(where, shard_of(r, 2, H), write_policy="off")
+    """Rank ``r`` of a TP-2 vLLM (or the rank ``shard``) restores the match ``m`` into
+    ``blocks``: its caches then hold exactly its heads (and layers) of ``kv``."""
+    ws, _ = rank(where, shard or shard_of(r, 2, H), write_policy="off")
     ws.client = client
     chunks = [
         LoadChunk(ref.position, ref.fp, ref.parent, ref.entry.object_key, ref.entry.size, ids)
@@ -99,14 +113,15 @@ def restores_its_heads(
     ws.start_load_kv(SimpleNamespace(loads=[load], saves=[]))  # type: ignore[arg-type]
     assert finish(ws, load.req_id) == set()
     lo, hi = ws.shard.lo, ws.shard.hi
+    first = ws.shard.layers[0] if ws.shard.layers else 0
     for name, layer in ws.layer_index.items():
         got = ws.layouts[name].gather(ws.caches[name], [b for ids in blocks for b in ids])
-        assert same_bits(got.numpy(), np.ascontiguousarray(kv[layer, :, :, lo:hi]))
+        assert same_bits(got.numpy(), np.ascontiguousarray(kv[first + layer, :, :, lo:hi]))
     ws.shutdown()
 
 
 def test_a_tp2_save_restores_into_tp1_and_tp2(tmp_path: Path) -> None:
-    ns = make_ns("float32", num_kv_heads=H)
+    ns = make_ns("float32", num_kv_heads=H, num_layers=L)
     tokens = make_tokens(2 * ns.chunk_tokens)
     kv = make_kv(ns, len(tokens))
     ranks = [rank(tmp_path, shard_of(r, 2, H)) for r in range(2)]
@@ -153,7 +168,7 @@ def test_replicas_do_not_write(tmp_path: Path) -> None:
 
 
 def test_a_tp1_chunk_restores_into_each_tp2_rank(tmp_path: Path) -> None:
-    ns = make_ns("float32", num_kv_heads=H)
+    ns = make_ns("float32", num_kv_heads=H, num_layers=L)
     kvc = KVCloud.open(store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db", secret="s")
     tokens = make_tokens(2 * ns.chunk_tokens)
     kv = make_kv(ns, len(tokens))
@@ -161,4 +176,73 @@ def test_a_tp1_chunk_restores_into_each_tp2_rank(tmp_path: Path) -> None:
     m = kvc.lookup(ns, tokens)
     for r in range(2):
         restores_its_heads(tmp_path / f"r{r}", r, kvc, m, kv, [[1, 2], [3, 4]])
+    # and each stage of a PP-2 vLLM (at TP 1 and TP 2) restores its layers of them
+    for stage in range(2):
+        for tp in (1, 2):
+            for r in range(tp):
+                shard = shard_of(r, tp, H).with_stage(stage, STAGES)
+                where = tmp_path / f"pp{stage}-{tp}-{r}"
+                restores_its_heads(where, r, kvc, m, kv, [[1, 2], [3, 4]], shard)
     kvc.close()
+
+
+STAGES = (0, 2, L)
+
+
+def test_shard_with_stage() -> None:
+    s = shard_of(1, 2, H).with_stage(1, STAGES)
+    assert (s.lo, s.hi, s.layers, s.stages, s.split) == (2, 4, (2, 4), STAGES, True)
+    assert s.num_layers(L) == 2
+    assert shard_of(0, 1, H).with_stage(0, (0, L)) == shard_of(0, 1, H)  # one stage: unchanged
+    assert not shard_of(0, 1, H).split and shard_of(0, 1, H).with_stage(0, STAGES).split
+    with pytest.raises(ValueError):
+        shard_of(0, 1, H).with_stage(2, STAGES)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_pp2_save_is_a_grid_restored_by_every_shape(tmp_path: Path, tp: int) -> None:
+    """The ranks of a PP-2 × TP-``tp`` vLLM save a chunk, each its layers and heads; the
+    rank whose part is stored last registers the grid. A whole-model reader, each rank of a
+    PP-2 × TP-2 vLLM and each TP-2 rank without PP restore it bit for bit."""
+    ns = make_ns("float32", num_kv_heads=H, num_layers=L)
+    tokens = make_tokens(2 * ns.chunk_tokens)
+    kv = make_kv(ns, len(tokens))
+    shards = [shard_of(r, tp, H).with_stage(st, STAGES) for st in range(2) for r in range(tp)]
+    ranks = [rank(tmp_path, sh) for sh in shards]
+    reader = KVCloud.open(
+        store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db", secret="s"
+    )
+    fps = reader.fingerprints(ns, tokens)
+    parents = [ns.digest, *fps[:-1]]
+    blocks = [[1, 2], [3, 4]]
+    spec = SaveSpec(
+        "req", "default", [SaveChunk(i, fps[i], parents[i], blocks[i]) for i in range(2)]
+    )
+    meta = SimpleNamespace(loads=[], saves=[spec])
+    registered = 0
+    for n, (ws, _) in enumerate(ranks):
+        fill(ws, kv, [b for bl in blocks for b in bl])
+        for name in ws.layer_index:
+            ws.save_kv_layer(meta, name, ws.caches[name])  # type: ignore[arg-type]
+        ws.wait_for_save()
+        assert ws.uploader is not None
+        ws.uploader.close()
+        stats = ws.take_stats()
+        assert stats["parts_pushed"] == 2
+        registered += stats.get("chunks_registered", 0)
+        assert reader.lookup(ns, tokens).tokens == (0 if n < len(ranks) - 1 else len(tokens))
+    assert registered == 2
+    m = reader.lookup(ns, tokens)
+    assert all([s[0] for s in ref.entry.stages] == [(0, 2), (2, 4)] for ref in m.chunks)
+    assert all(len(ref.entry.keys) == 2 * tp for ref in m.chunks)
+    assert same_bits(reader.pull(m), kv)
+    restore_at = [[5, 4], [1, 2]]
+    for st in range(2):
+        for r in range(2):
+            shard = shard_of(r, 2, H).with_stage(st, STAGES)
+            restores_its_heads(tmp_path / f"pp{st}-{r}", r, reader, m, kv, restore_at, shard)
+    for r in range(2):
+        restores_its_heads(tmp_path / f"tp{r}", r, reader, m, kv, restore_at)
+    for ws, _ in ranks:
+        ws.shutdown()
+    reader.close()

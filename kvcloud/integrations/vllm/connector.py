@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ...client import KVCloud
 from ...errors import KVCloudError
+from ...namespace import Namespace
 from .config import VLLMConnectorConfig
 from .keys import check_supported, vllm_namespace
 from .metadata import (
@@ -30,7 +31,7 @@ from .metadata import (
     KVCloudPromMetrics,
 )
 from .scheduler import SchedulerSide
-from .shard import shard_of
+from .shard import Shard, shard_of
 from .specs import KVCloudWorkerMeta
 from .worker import WorkerSide
 
@@ -50,6 +51,27 @@ def _tp_rank(tp: int) -> int:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     return int(get_tensor_model_parallel_rank())
+
+
+def _pp_stage(parallel_config: Any, num_layers: int) -> tuple[int, tuple[int, ...]]:
+    """This worker's pipeline stage and every stage's first layer (then the end), as vLLM
+    splits the layers (``get_pp_indices``, ``VLLM_PP_LAYER_PARTITION`` included)."""
+    pp = int(parallel_config.pipeline_parallel_size)
+    if pp == 1:
+        return 0, (0, num_layers)
+    from vllm.distributed.parallel_state import get_pp_group
+    from vllm.distributed.utils import get_pp_indices
+
+    bounds = [get_pp_indices(num_layers, r, pp)[0] for r in range(pp)]
+    return int(get_pp_group().rank_in_group), (*bounds, num_layers)
+
+
+def _shard(vllm_config: Any, ns: Namespace) -> Shard:
+    """The KV heads and layers this worker holds."""
+    pc = vllm_config.parallel_config
+    tp = int(pc.tensor_parallel_size)
+    stage, stages = _pp_stage(pc, ns.num_layers)
+    return shard_of(_tp_rank(tp), tp, ns.num_kv_heads).with_stage(stage, stages)
 
 
 def _route_kvcloud_logs() -> None:
@@ -102,7 +124,6 @@ class KVCloudConnector(KVConnectorBase_V1):
             raise KVCloudConnectorError(msg) from None
         self.ns = ns
         self.client = client
-        tp = int(vllm_config.parallel_config.tensor_parallel_size)
         if role == KVConnectorRole.SCHEDULER:
             # a failed kvcloud load is a miss: vLLM must recompute, not fail the request
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
@@ -116,7 +137,7 @@ class KVCloudConnector(KVConnectorBase_V1):
                 vllm_config,
                 kv_cache_config,
                 upload_client=upload_client,
-                shard=shard_of(_tp_rank(tp), tp, ns.num_kv_heads),
+                shard=_shard(vllm_config, ns),
             )
         log.info(
             "kvcloud connector (%s): store %s, index %s, namespace %s (%s, %d layers, "

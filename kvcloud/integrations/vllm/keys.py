@@ -100,12 +100,6 @@ def _draft_kv(spec: Any) -> bool:
 def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
     """Refuse, at start, what the connector would get wrong."""
     pc = vllm_config.parallel_config
-    if pc.pipeline_parallel_size != 1:
-        raise ConfigError(
-            "the kvcloud connector supports pipeline_parallel_size=1 (each stage would hold "
-            "only its own layers of a chunk; stage parts are not built); tensor parallelism "
-            "is supported"
-        )
     if int(getattr(pc, "decode_context_parallel_size", 1) or 1) != 1:
         raise ConfigError("the kvcloud connector does not support decode context parallelism")
     if int(getattr(pc, "prefill_context_parallel_size", 1) or 1) != 1:
@@ -166,7 +160,6 @@ def sliding_window(kv_cache_config: Any) -> int | None:
 
 def vllm_namespace(vllm_config: Any, cfg: VLLMConnectorConfig) -> Namespace:
     mc = vllm_config.model_config
-    pc = vllm_config.parallel_config
     hf = mc.hf_config
     extra = {
         "layout": LAYOUT_VERSION,
@@ -193,7 +186,8 @@ def vllm_namespace(vllm_config: Any, cfg: VLLMConnectorConfig) -> Namespace:
         heads, head_dim = 1, (mla[0] + mla[1]) // 2
     return Namespace(
         model=f"vllm/{getattr(hf, 'model_type', 'unknown')}",
-        num_layers=int(mc.get_num_layers(pc)),
+        # the whole model's layers, whatever the pipeline split: every PP size shares
+        num_layers=int(mc.get_total_num_hidden_layers()),
         num_kv_heads=heads,
         head_dim=head_dim,
         revision=cfg.weights_digest or checkpoint_digest(mc.model, getattr(mc, "revision", None)),

@@ -1,4 +1,4 @@
-"""Which KV heads a tensor-parallel rank holds, and who writes them.
+"""Which KV heads (and layers) a tensor-parallel (and pipeline) rank holds, and who writes them.
 
 vLLM splits a model's KV heads evenly over the TP ranks; with more ranks than KV heads each
 head is replicated on ``tp // heads`` consecutive ranks (``QKVParallelLinear``: rank r holds
@@ -7,11 +7,17 @@ chunk saved by a TP > 1 vLLM is stored in parts, one per distinct head range, wr
 first rank of each replica group; the writer whose part is stored last registers the chunk
 (``KVCloud.store_part`` / ``offer_part``). Any rank reads the parts that overlap its heads,
 or its slice of a chunk stored whole, so vLLMs of any TP size share.
+
+Pipeline parallelism splits the layers into stages (vLLM's ``get_pp_indices``); each stage's
+ranks hold only their stage's layers. A chunk saved by a PP > 1 vLLM is a grid of parts, one
+per (stage, head range), each naming its layer range in its header; the entry names the
+stages' layer ranges (``IndexEntry.of_grid``), so a reader of any PP and TP size pulls the
+parts that overlap the layers and heads it holds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -20,6 +26,9 @@ class Shard:
     hi: int  # one past the last
     parts: int  # distinct head ranges over the TP group: a chunk's parts
     writer: bool  # the first rank of its replica group: it saves its part
+    # the pipeline stage's layers [lo, hi) and every stage's boundaries; None without PP
+    layers: tuple[int, int] | None = None
+    stages: tuple[int, ...] | None = None
 
     @property
     def heads(self) -> tuple[int, int] | None:
@@ -29,6 +38,23 @@ class Shard:
     @property
     def num_heads(self) -> int:
         return self.hi - self.lo
+
+    @property
+    def split(self) -> bool:
+        """Does this rank save a part (of heads, of layers or both) rather than whole chunks?"""
+        return self.parts > 1 or self.layers is not None
+
+    def num_layers(self, total: int) -> int:
+        return total if self.layers is None else self.layers[1] - self.layers[0]
+
+    def with_stage(self, rank: int, stages: tuple[int, ...]) -> Shard:
+        """This shard on pipeline stage ``rank`` of the stages with boundaries ``stages``
+        (``(0, 2, 4)``: layers [0, 2) and [2, 4)); unchanged for a single stage."""
+        if len(stages) < 2 or not 0 <= rank < len(stages) - 1:
+            raise ValueError(f"stage {rank} of boundaries {list(stages)}")
+        if len(stages) == 2:
+            return self
+        return replace(self, layers=(stages[rank], stages[rank + 1]), stages=tuple(stages))
 
 
 def shard_of(rank: int, tp_size: int, total_kv_heads: int) -> Shard:

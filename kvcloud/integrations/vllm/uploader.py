@@ -57,6 +57,8 @@ class Uploader:
         *,
         part: tuple[int, int] | None = None,
         parts: int = 1,
+        layers: tuple[int, int] | None = None,
+        stages: tuple[int, ...] | None = None,
     ):
         self.client = client
         self.ns = ns
@@ -66,6 +68,9 @@ class Uploader:
         # the writer of the last part to be stored registers the chunk (KVCloud.offer_part)
         self.part = part
         self.parts = parts
+        # a pipeline stage stores its layers likewise, one row of the chunk's grid of parts
+        self.layers = layers
+        self.stages = stages
         self._queue: queue.Queue[_Item | None] = queue.Queue(capacity)
         self._thread = threading.Thread(target=self._run, name="kvcloud-uploader", daemon=True)
         self._thread.start()
@@ -117,7 +122,7 @@ class Uploader:
                     done()
 
     def _push_batch(self, batch: list[_Item]) -> None:
-        if self.part is not None:
+        if self.part is not None or self.layers is not None:
             self._store_parts(batch)
             return
         by_tenant: dict[str, list[tuple[bytes, bytes, np.ndarray]]] = {}
@@ -142,17 +147,19 @@ class Uploader:
             )
 
     def _store_parts(self, batch: list[_Item]) -> None:
-        assert self.part is not None
         for tenant, fp, parent, kv, _, ready in batch:
             if ready is not None:
                 ready()
             try:
                 key, size = self.client.store_part(
-                    self.ns, fp, parent, kv, self.part, tenant=tenant
+                    self.ns, fp, parent, kv, self.part, layers=self.layers, tenant=tenant
                 )
                 self.count(parts_pushed=1)
                 n = int(kv.shape[2])
-                if self.client.offer_part(self.ns, fp, self.part, key, size, n, self.parts):
+                if self.client.offer_part(
+                    self.ns, fp, self.part, key, size, n, self.parts,
+                    layers=self.layers, stages=self.stages,
+                ):  # fmt: skip
                     self.count(chunks_registered=1)
             except Exception as exc:  # the uploader must outlive any backend failure
                 log.warning("kvcloud part push failed: %s", exc)

@@ -160,8 +160,10 @@ class WorkerSide:
         self.ns = ns
         # the KV heads this rank holds (all of them at TP 1): what it pulls, stores, stages
         self.shard = shard or shard_of(0, 1, ns.num_kv_heads)
+        # the layers this rank holds: its pipeline stage's (every layer without PP)
+        self.num_layers = self.shard.num_layers(ns.num_layers)
         self._chunk_shape = (
-            ns.num_layers,
+            self.num_layers,
             2,
             ns.chunk_tokens,
             self.shard.num_heads,
@@ -185,6 +187,8 @@ class WorkerSide:
                 cfg.upload_nice,
                 part=self.shard.heads,
                 parts=self.shard.parts,
+                layers=self.shard.layers,
+                stages=self.shard.stages,
             )
             if cfg.write_policy != "off" and self.shard.writer
             else None
@@ -230,10 +234,10 @@ class WorkerSide:
         from vllm.model_executor.models.utils import extract_layer_index
 
         names = sorted(kv_caches, key=extract_layer_index)
-        if len(names) != self.ns.num_layers:
+        if len(names) != self.num_layers:
             raise ConfigError(
                 f"vLLM registered {len(names)} KV cache layers; the model config says "
-                f"{self.ns.num_layers}"
+                f"{self.num_layers} for this rank"
             )
         want = _TORCH_DTYPES[self.ns.dtype]
         context = self.vllm_config.compilation_config.static_forward_context
@@ -387,7 +391,10 @@ class WorkerSide:
         spec = load.spec
         started = time.monotonic()
         res = self.client.pull_into(
-            m, list(to_numpy(load.staging[: load.limit])), heads=self.shard.heads
+            m,
+            list(to_numpy(load.staging[: load.limit])),
+            heads=self.shard.heads,
+            layers=self.shard.layers,
         )
         log.debug(
             "kvcloud: pulled %d of %d chunks (%d bytes) for %s in %.0f ms",
@@ -562,7 +569,7 @@ class WorkerSide:
             return
         copied = self.streams.after_save()
         for save in saves:
-            whole = len(save.layers_done) == self.ns.num_layers
+            whole = len(save.layers_done) == self.num_layers
             for ch, staging in zip(save.spec.chunks, save.staging, strict=True):
                 if not (
                     whole
