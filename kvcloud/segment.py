@@ -154,6 +154,11 @@ def content_digest(data: bytes | bytearray | memoryview, alg: str | None = None)
         if end is None:
             raise CorruptObjectError("not an object: no header to address")
         view = view[:end]
+    return _address(view, alg)
+
+
+def _address(view: memoryview, alg: str) -> str:
+    """The digest of exactly ``view`` (format 3: the prefix and header, already cut)."""
     h = _hasher(alg, len(view))
     h.update(view)
     return _digest_string(alg, h.hexdigest())
@@ -189,7 +194,8 @@ def _verify(view: memoryview, digest: str) -> None:
         if content_digest(view, alg) != digest:
             raise DigestMismatchError("object bytes do not match their content address")
         return
-    if _head_len(view) is None or content_digest(view, alg) != digest:
+    end = _head_len(view)
+    if end is None or _address(view[:end], alg) != digest:
         raise DigestMismatchError("object header does not match its content address")
     try:
         header, offset = read_header(view)

@@ -6,9 +6,11 @@ is in; with format 3 the key addresses the header and the header's table each la
 layer l is written while layer l + 1 is still in flight (``KVCloud.pull_into``'s
 ``on_layer``). Both runs below do the same work — pull 8 chunks of SmolLM2-135M's shape
 (30 layers, 3 KV heads, head size 64, bfloat16, 256 tokens: 5.9 MB each) from the store,
-verify them, and copy every layer into a torch cache tensor with ``index_copy_`` over its
-blocks, as the vLLM connector does — and differ only in the object format, so the ratios
-are what streaming saves: the time until the first layer is usable, and the whole restore.
+verify them, and write every layer into a torch cache in vLLM's CPU layout with the vLLM
+connector's own block writes (a layout learned through the CPU backend's write op, one
+``index_copy_`` per chunk and layer over its blocks) — and differ only in the object format,
+so the ratios are what streaming saves: the time until the first layer is usable, and the
+whole restore.
 
     python scripts/bench_layer_streaming.py [--store URL] [--chunks 8] [--runs 15]
 
@@ -32,6 +34,8 @@ import numpy as np
 import torch
 
 from kvcloud import KVCloud, Namespace
+from kvcloud.integrations.vllm.layout import block_index, learn_layout
+from tests.unit.test_vllm_layout import cpu_write, layer_for
 
 LAYERS, HEADS, DIM, CHUNK, BLOCK = 30, 3, 64, 256, 16
 
@@ -51,21 +55,18 @@ def _namespace() -> Namespace:
 def _restore(kv: KVCloud, ns: Namespace, tokens: np.ndarray, tenant: str, n: int) -> dict:
     """One restore of ``n`` chunks into a fresh cache: seconds to the first usable layer and
     to the end (pull, verify and every layer written)."""
-    blocks_per_chunk = CHUNK // BLOCK
-    # the connector's CPU cache shape per layer: [blocks, heads, block, 2·dim] (K then V)
-    cache = torch.zeros(LAYERS, n * blocks_per_chunk, HEADS, BLOCK, 2 * DIM, dtype=torch.bfloat16)
+    per_chunk = CHUNK // BLOCK
+    # vLLM 0.32's CPU cache per layer: [blocks, heads, block, 2·dim], K transposed in a block
+    cache = torch.zeros(LAYERS, n * per_chunk, HEADS, BLOCK, 2 * DIM, dtype=torch.bfloat16)
+    layout = learn_layout(layer_for(cpu_write), cache[0], n * per_chunk, BLOCK, HEADS, DIM)
+    ids = [block_index(range(i * per_chunk, (i + 1) * per_chunk), cache.device) for i in range(n)]
     staging = torch.empty(n, LAYERS, 2, CHUNK, HEADS, DIM, dtype=torch.bfloat16)
     dests = [t.view(torch.int16).numpy().view("<u2") for t in staging]
     first: list[float] = []
     lock = threading.Lock()
 
     def write(i: int, layer: int) -> None:
-        kvl = staging[i, layer]  # [2, CHUNK, heads, dim]
-        # [blocks, heads, block, 2·dim]: K into the first half, V into the second
-        k = kvl[0].view(blocks_per_chunk, BLOCK, HEADS, DIM).transpose(1, 2)
-        v = kvl[1].view(blocks_per_chunk, BLOCK, HEADS, DIM).transpose(1, 2)
-        ids = torch.arange(i * blocks_per_chunk, (i + 1) * blocks_per_chunk)
-        cache[layer].index_copy_(0, ids, torch.cat([k, v], dim=-1))
+        layout.scatter(cache[layer], ids[i], staging[i, layer])  # [2, CHUNK, heads, dim]
         if not first:
             with lock:
                 first.append(time.perf_counter())

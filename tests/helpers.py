@@ -72,12 +72,13 @@ def readdress(data: bytes | bytearray) -> tuple[bytes, str]:
     """``data`` (an object someone changed) made consistent with itself and its own content
     address, as a forger would: the digest table of a format 3 header recomputed over the
     payload as it now is. Returns the bytes and their address's digest."""
-    from kvcloud.segment import content_digest, read_header
+    import struct
 
-    _header, offset = read_header(bytes(data))
-    hlen = offset - 8
     import msgpack
 
+    from kvcloud.segment import content_digest
+
+    hlen = struct.unpack_from("<I", data, 4)[0]  # after the 4-byte magic
     header = msgpack.unpackb(bytes(data[8 : 8 + hlen]), raw=False)
-    fixed = frame_object(header, bytes(data[offset:]))
+    fixed = frame_object(header, bytes(data[8 + hlen :]))
     return fixed, content_digest(fixed)

@@ -8,6 +8,7 @@ backends; verify and gc keep and check every part.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -364,3 +365,25 @@ def test_grid_keys_parse_and_plain_keys_stay_plain() -> None:
     # a marker that does not parse, or parts that do not split over it: a plain key list
     assert parse_stages("a,@stages=0") == ((None, ("a", "@stages=0")),)
     assert parse_stages("a,b,c,@stages=0-1-2") == ((None, ("a", "b", "c", "@stages=0-1-2")),)
+
+
+def test_encrypted_stage_parts_round_trip(tmp_path: Path) -> None:
+    """A stage's layer range is bound into an encrypted part's AAD as its head range is."""
+    ns = make_ns()
+    with KVCloud.open(
+        store=f"file://{tmp_path}/o",
+        index=f"sqlite://{tmp_path}/i.db",
+        secret="s",
+        encrypt_tenants="*",
+    ) as kvc:
+        tokens, kv, offered = stored_in_stages(kvc, ns, 2)
+        assert offered[-1] is True
+        assert np.array_equal(kvc.pull(kvc.lookup(ns, tokens)), kv)
+        dest = np.zeros((2, 2, ns.chunk_tokens, 2, 8), np.float16)
+        res = kvc.pull_into(kvc.lookup(ns, tokens), [dest], heads=(0, 2), layers=(1, 3))
+        assert res.chunks == 1 and np.array_equal(dest, kv[1:3, :, :, 0:2])
+    seg = encode_segment(
+        ns, b"\1" * 32, ns.digest, kv[1:3, :, :, 0:2], heads=(0, 2), layers=(1, 3),
+        key=kvc.data_key("default"),
+    )  # fmt: skip
+    assert seg.header.aad() != replace(seg.header, layers=None).aad()

@@ -2,16 +2,20 @@
 store into paged caches laid out like vLLM's CPU backend, reported as vLLM polls for them.
 
 Checked: what is written is bit for bit what was pushed, through vLLM's block ids (out of
-order, some held by vLLM already, the null block of a sliding window skipped); no byte of a
-chunk that fails verification reaches the cache (DESIGN §4.3), and it and every chunk after it
-are reported for recompute in the pass that reports the restore finished; a restore past
+order, some held by vLLM already, the null block of a sliding window skipped); no byte that
+fails verification reaches the cache (DESIGN §4.3: layers are written as each is verified),
+and a chunk that fails and every chunk after it are reported for recompute in the pass that
+reports the restore finished; a restore past
 ``load_timeout`` is abandoned and can no longer touch vLLM's blocks; a failing store opens the
 breaker, which refuses loads at once and tells the scheduler side; the staging memory is
-reused.
+reused. A restore in the step (``load_mode=sync``, or ``auto`` when short) is read by the
+forward pass layer by layer: each layer is in vLLM's blocks when the pass asks for it
+(``wait_for_layer_load``), while later layers may still be in flight.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -99,9 +103,22 @@ def step(ws: WorkerSide, spec: LoadSpec) -> set[int]:
     return finish(ws, spec.req_id)
 
 
-def assert_blocks_hold(ws: WorkerSide, kv: np.ndarray, spec: LoadSpec, chunks: range) -> None:
+def forward(ws: WorkerSide, after_layer=None) -> None:  # type: ignore[no-untyped-def]
+    """What vLLM's forward pass does with a restore in the step: before each attention layer
+    reads its blocks it waits for that layer (then ``after_layer(name)`` looks at them)."""
+    for name in sorted(ws.layer_index, key=ws.layer_index.__getitem__):
+        ws.wait_for_layer_load(name)
+        if after_layer is not None:
+            after_layer(name)
+
+
+def assert_blocks_hold(
+    ws: WorkerSide, kv: np.ndarray, spec: LoadSpec, chunks: range, only: str | None = None
+) -> None:
     c = ws.ns.chunk_tokens
     for name, layer in ws.layer_index.items():
+        if only is not None and name != only:
+            continue
         cache, layout = ws.caches[name], ws.layouts[name]
         for i in chunks:
             for k, b in enumerate(spec.chunks[i].block_ids):
@@ -145,8 +162,19 @@ def test_a_bad_chunk_and_all_after_it_are_reported_in_the_same_step(
     failed = step(ws, spec)
     assert failed == {b for ch in spec.chunks[1:] for b in ch.block_ids}
     assert_blocks_hold(ws, kv, spec, range(1))
-    for cache in ws.caches.values():  # never loaded: the reported blocks were not touched
-        assert not cache[sorted(failed)].any()
+    # layers are written as they are verified (object format 3), so the reported blocks hold
+    # verified KV or nothing, never a byte that failed: the flipped layer is not written
+    c = ws.ns.chunk_tokens
+    last = max(ws.layer_index.values())
+    for name, layer in ws.layer_index.items():
+        cache, layout = ws.caches[name], ws.layouts[name]
+        for i in range(1, N_CHUNKS):
+            for k, b in enumerate(spec.chunks[i].block_ids):
+                got = layout.gather(cache, [b]).numpy()
+                want = np.ascontiguousarray(kv[layer, :, i * c + k * BS : i * c + (k + 1) * BS])
+                assert same_bits(got, want) or not got.any(), (name, i, b)
+                if i == 1 and (how == "deleted" or layer == last):
+                    assert not got.any(), (name, b)  # what failed never reached the cache
     stats = ws.take_stats()
     assert stats["load_failed_blocks"] == len(failed) and stats["loaded_tokens"] == BS
 
@@ -257,11 +285,11 @@ def test_staging_is_reused_and_stays_correct(tmp_path: Path) -> None:
 
 
 def test_a_sync_restore_is_written_before_the_forward_pass(tmp_path: Path) -> None:
-    """``load_mode=sync``: start_load_kv returns with the blocks written (the forward pass
-    that follows reads them) and the restore is never reported as an asynchronous one."""
+    """``load_mode=sync``: each layer's blocks are written when the forward pass asks for
+    that layer, and the restore is never reported as an asynchronous one."""
     ws, _, kv, spec = setup(tmp_path, load_mode="sync")
     ws.start_load_kv(SimpleNamespace(loads=[spec], saves=[]))  # type: ignore[arg-type]
-    assert_blocks_hold(ws, kv, spec, range(N_CHUNKS))
+    forward(ws, lambda name: assert_blocks_hold(ws, kv, spec, range(N_CHUNKS), only=name))
     assert ws.get_finished(set()) == (None, None)
     assert ws.get_block_ids_with_load_errors() == set()
     stats = ws.take_stats()
@@ -270,10 +298,74 @@ def test_a_sync_restore_is_written_before_the_forward_pass(tmp_path: Path) -> No
     assert "load_report_us" not in stats  # a sync restore is never waited on to be reported
 
 
+class _GatedReader:
+    """A store read that delivers ``allow`` bytes, then waits for ``gate``: an object whose
+    last layer is still on the wire."""
+
+    def __init__(self, inner, allow: int, gate: threading.Event) -> None:  # type: ignore[no-untyped-def]
+        self.inner, self.left, self.gate = inner, allow, gate
+
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.inner.close()
+
+    def _room(self, n: int) -> int:
+        if self.left <= 0:
+            assert self.gate.wait(10)
+            return n
+        return min(n, self.left) if n >= 0 else self.left
+
+    def read(self, n: int = -1) -> bytes:
+        got = self.inner.read(self._room(n))
+        self.left -= len(got)
+        return got
+
+    def readinto(self, buf) -> int:  # type: ignore[no-untyped-def]
+        view = memoryview(buf).cast("B")
+        got = self.inner.readinto(view[: self._room(len(view))]) or 0
+        self.left -= got
+        return got
+
+
+def test_the_forward_pass_reads_layer_0_while_layer_1_is_in_flight(tmp_path: Path) -> None:
+    """Verified layer-wise streaming into vLLM's blocks: with every object's last layer held
+    back, the pass gets layer 0 of every chunk, verified and written; layer 1 comes once the
+    bytes do. (Before object format 3, nothing was written before every byte was in.)"""
+    ws, kvc, kv, spec = setup(tmp_path, load_mode="sync", load_timeout=20.0)
+    layer_bytes = 2 * ws.ns.chunk_tokens * ws.ns.num_kv_heads * ws.ns.head_dim * 4
+    gate = threading.Event()
+    real_open = kvc.store.open_read
+
+    def gated_open(key: str) -> _GatedReader:
+        size = kvc.store.head(key).size  # type: ignore[union-attr]
+        return _GatedReader(real_open(key), size - layer_bytes, gate)
+
+    kvc.store.open_read = gated_open  # type: ignore[method-assign]
+    # as many chunks as the store pulls at once (here 2): a chunk past them waits for a
+    # connection, so its layer 0 comes after an earlier chunk's last layer
+    spec = dataclasses.replace(spec, chunks=spec.chunks[: kvc.store.max_workers])
+    names = sorted(ws.layer_index, key=ws.layer_index.__getitem__)
+    ws.start_load_kv(SimpleNamespace(loads=[spec], saves=[]))  # type: ignore[arg-type]
+    t0 = time.monotonic()
+    ws.wait_for_layer_load(names[0])
+    assert time.monotonic() - t0 < 5.0  # did not wait for the held-back bytes
+    assert_blocks_hold(ws, kv, spec, range(len(spec.chunks)), only=names[0])
+    blocks = sorted({b for ch in spec.chunks for b in ch.block_ids if b >= 0})
+    assert not ws.caches[names[1]][blocks].any()  # layer 1 is still on the wire
+    gate.set()
+    ws.wait_for_layer_load(names[1])
+    assert_blocks_hold(ws, kv, spec, range(len(spec.chunks)), only=names[1])
+    assert ws.get_finished(set()) == (None, None)
+    assert ws.get_block_ids_with_load_errors() == set()
+
+
 def test_a_sync_restore_reports_a_bad_chunk_after_the_same_step(tmp_path: Path) -> None:
     ws, kvc, kv, spec = setup(tmp_path, load_mode="sync")
     kvc.store.delete(spec.chunks[2].object_key)
     ws.start_load_kv(SimpleNamespace(loads=[spec], saves=[]))  # type: ignore[arg-type]
+    forward(ws)
     assert ws.get_finished(set()) == (None, None)
     assert ws.get_block_ids_with_load_errors() == {
         b for ch in spec.chunks[2:] for b in ch.block_ids
@@ -286,6 +378,8 @@ def test_a_hung_sync_restore_stalls_the_step_no_longer_than_load_timeout(tmp_pat
     gate = hang_store(kvc)
     t0 = time.monotonic()
     ws.start_load_kv(SimpleNamespace(loads=[spec], saves=[]))  # type: ignore[arg-type]
+    forward(ws)
+    assert ws.get_finished(set()) == (None, None)
     assert 0.25 < time.monotonic() - t0 < 2.0
     assert ws.get_block_ids_with_load_errors() == {
         b for ch in spec.chunks for b in ch.block_ids if b >= 0
@@ -305,6 +399,8 @@ def test_an_auto_restore_in_the_step_stalls_it_at_most_four_budgets(tmp_path: Pa
     spec.sync = True
     t0 = time.monotonic()
     ws.start_load_kv(SimpleNamespace(loads=[spec], saves=[]))  # type: ignore[arg-type]
+    forward(ws)
+    assert ws.get_finished(set()) == (None, None)
     assert 0.28 < time.monotonic() - t0 < 1.5
     assert ws.get_block_ids_with_load_errors() == {
         b for ch in spec.chunks for b in ch.block_ids if b >= 0
@@ -339,6 +435,8 @@ def test_restores_report_their_rate_to_the_scheduler_side(tmp_path: Path) -> Non
     assert ws.build_worker_meta() is None  # reported once
     spec.sync, spec.req_id = True, "in-step"
     ws.start_load_kv(SimpleNamespace(loads=[spec], saves=[]))  # type: ignore[arg-type]
+    forward(ws)
+    ws.get_finished(set())
     meta = ws.build_worker_meta()
     assert meta is not None and meta.in_step_bytes == size and meta.in_step_s > 0
     assert meta.beside_bytes == 0

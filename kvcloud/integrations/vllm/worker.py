@@ -53,7 +53,7 @@ from ...namespace import Namespace
 from .._torch import to_numpy
 from .config import VLLMConnectorConfig
 from .device import PASSED, Fence, Streams
-from .layout import BlockLayout, block_index, learn_layout
+from .layout import BlockLayout, Blocks, block_index, learn_layout
 from .shard import Shard, shard_of
 from .specs import NULL_BLOCK, KVCloudWorkerMeta, LoadSpec, SaveSpec
 from .uploader import Uploader
@@ -76,13 +76,19 @@ class _Load:
     staging: torch.Tensor  # [chunks, layers, 2, chunk_tokens, heads, dim]
     deadline: float
     future: cf.Future[int] | None = None  # chunks verified and written into vLLM's blocks
+    # held while a layer of a chunk is written into vLLM's blocks, and to abandon the restore
     lock: threading.Lock = field(default_factory=threading.Lock)
+    layer_in: threading.Condition = field(init=False)  # on ``lock``: a layer written, or over
+    written: list[int] = field(default_factory=list)  # per layer: chunks written into vLLM's
+    over: bool = False  # the pull returned: nothing more will be written
     limit: int = 0  # chunks to pull: those before the first object remembered as bad
-    writing: bool = False  # the thread is writing into vLLM's blocks (can't be abandoned)
     abandoned: bool = False  # reported as failed: the thread must not touch vLLM's blocks
     ended: float = 0.0  # when the thread was done with it (monotonic), 0 while running
     pulled: int = 0  # bytes pulled
     after: Fence = PASSED  # the engine's work queued before the blocks were handed over
+
+    def __post_init__(self) -> None:
+        self.layer_in = threading.Condition(self.lock)
 
 
 @dataclass
@@ -198,6 +204,9 @@ class WorkerSide:
         self.layer_index: dict[str, int] = {}
         self.layouts: dict[str, BlockLayout] = {}
         self._loads: dict[str, _Load] = {}  # by request id, until reported finished
+        # restores the forward pass of this step reads (load_mode=sync, or auto when short):
+        # it waits for each layer (wait_for_layer_load); they are settled after the pass
+        self._stepping: list[_Load] = []
         self._kept: torch.Tensor | None = None  # staging reused across restores
         self._kept_users: list[_Load] = []
         self._saves: list[_Save] = []
@@ -275,6 +284,8 @@ class WorkerSide:
     # -- loads ------------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KVCloudConnectorMetadata) -> None:
+        if self._stepping:  # a step that was never finished (not vLLM's order): settle it
+            self._settle_stepping()
         specs = [spec for spec in meta.loads if spec.chunks]
         for spec in meta.loads:
             if not spec.chunks:  # nothing to pull (cannot happen from our scheduler side)
@@ -291,7 +302,11 @@ class WorkerSide:
             staging = buf[first : first + len(spec.chunks)]
             first += len(spec.chunks)
             load = _Load(spec, staging, self._clock() + self._timeout(spec), after=handed_over)
-            self._loads[spec.req_id] = load
+            load.written = [0] * self.num_layers
+            if self._in_step_load(spec):
+                self._stepping.append(load)
+            else:
+                self._loads[spec.req_id] = load
             if shared:
                 self._kept_users.append(load)
             load.limit = next(
@@ -302,9 +317,6 @@ class WorkerSide:
                 self.count(loads_refused=1)
                 continue  # no future: reported failed at the next get_finished
             load.future = self._pool.submit(self._restore, load)
-        in_step = [spec.req_id for spec in specs if self._in_step_load(spec)]
-        if in_step:
-            self._settle_sync(in_step)
 
     def _in_step_load(self, spec: LoadSpec) -> bool:
         # the scheduler side decides (``spec.sync``); the worker's own setting only counts
@@ -318,11 +330,12 @@ class WorkerSide:
             return min(self.cfg.load_timeout, 4 * self.cfg.sync_budget_ms / 1000)
         return self.cfg.load_timeout
 
-    def _settle_sync(self, req_ids: list[str]) -> None:
-        """A restore in the step (``load_mode=sync``, or ``auto`` when it is measured short):
-        wait for it (until its deadline) before the forward pass reads its blocks; what
-        failed is reported after this step."""
-        loads = [self._loads.pop(rid) for rid in req_ids]
+    def _settle_stepping(self) -> None:
+        """After the forward pass, the restores in the step (``load_mode=sync``, or ``auto``
+        when measured short): each is over (the pass waited for every layer), or waited for
+        until its deadline, then abandoned; what failed is reported after this step. They
+        are never reported as asynchronous loads."""
+        loads, self._stepping = self._stepping, []
         futures = [load.future for load in loads if load.future is not None]
         if futures:
             latest = max(load.deadline for load in loads)
@@ -388,14 +401,43 @@ class WorkerSide:
                     moved.seconds += load.ended - started
 
     def _pull_and_write(self, load: _Load, m: Match) -> int:
+        """Pull the chunks; each layer of each chunk is written into its blocks as soon as it
+        is verified (object format 3 verifies layer by layer), so the forward pass of a
+        restore in the step can run layer l while later layers are still in flight."""
         spec = load.spec
         started = time.monotonic()
-        res = self.client.pull_into(
-            m,
-            list(to_numpy(load.staging[: load.limit])),
-            heads=self.shard.heads,
-            layers=self.shard.layers,
-        )
+        device = self.streams.device
+        targets = [
+            [(a, b, block_index(ch.block_ids[a:b], device)) for a, b in _spans(ch.block_ids)]
+            for ch in spec.chunks[: load.limit]
+        ]
+        names = {layer: name for name, layer in self.layer_index.items()}
+        write_s = 0.0
+
+        def write(i: int, layer: int) -> None:
+            nonlocal write_s
+            with load.lock:  # writes are serialized, so their seconds add up to wall time
+                if load.abandoned:
+                    return  # vLLM may have given the blocks to another request
+                t0 = time.monotonic()
+                with self.streams.loading(load.after):
+                    self._write_layer(load, names[layer], i, layer, targets[i])
+                write_s += time.monotonic() - t0
+                load.written[layer] += 1
+                load.layer_in.notify_all()
+
+        try:
+            res = self.client.pull_into(
+                m,
+                list(to_numpy(load.staging[: load.limit])),
+                heads=self.shard.heads,
+                layers=self.shard.layers,
+                on_layer=write,
+            )
+        finally:
+            with load.lock:
+                load.over = True
+                load.layer_in.notify_all()
         log.debug(
             "kvcloud: pulled %d of %d chunks (%d bytes) for %s in %.0f ms",
             res.chunks,
@@ -409,7 +451,6 @@ class WorkerSide:
         unreachable = [pos for pos, reason in res.failures if reason == "unavailable"]
         with load.lock:
             abandoned = load.abandoned
-            load.writing = not abandoned
         if unreachable:
             first = unreachable[0] - spec.chunks[0].position
             self._remember_bad(spec.chunks[first].object_key)
@@ -417,38 +458,38 @@ class WorkerSide:
         elif res.chunks and not abandoned:
             # (a pull that answered after its deadline was too slow: no proof of health)
             self.store_breaker.success()
-        if abandoned:
-            return 0
-        wrote = time.monotonic()
-        device = self.streams.device
-        targets = [
-            [(a, b, block_index(ch.block_ids[a:b], device)) for a, b in _spans(ch.block_ids)]
-            for ch in spec.chunks[: res.chunks]
-        ]
-        with self.streams.loading(load.after):
-            for name, layer in self.layer_index.items():
-                self._write_layer(load, name, layer, targets)
-        self.count(load_write_us=int(1e6 * (time.monotonic() - wrote)))
-        return res.chunks
+        self.count(load_write_us=int(1e6 * write_s))
+        # abandoned meanwhile: reported failed, whatever was written is recomputed
+        return 0 if abandoned else res.chunks
 
     def _write_layer(
-        self,
-        load: _Load,
-        name: str,
-        layer: int,
-        targets: list[list[tuple[int, int, torch.Tensor]]],
+        self, load: _Load, name: str, i: int, layer: int, spans: list[tuple[int, int, Blocks]]
     ) -> None:
-        """One layer of every verified chunk into its blocks: one ``index_copy_`` per span of
-        blocks (per chunk, as a rule), whatever the blocks' order in the cache."""
+        """One verified layer of chunk ``i`` into its blocks: one ``index_copy_`` per span of
+        blocks (one per chunk, as a rule), whatever the blocks' order in the cache."""
         bs = self.block_size
         cache, layout = self.caches[name], self.layouts[name]
-        for i, spans in enumerate(targets):
-            kv = load.staging[i, layer]  # [2, chunk_tokens, heads, dim]
-            for a, b, ids in spans:
-                layout.scatter(cache, ids, kv[:, a * bs : b * bs])
+        kv = load.staging[i, layer]  # [2, chunk_tokens, heads, dim]
+        for a, b, ids in spans:
+            layout.scatter(cache, ids, kv[:, a * bs : b * bs])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # a restore in the step is over before start_load_kv returns; others are never read
+        """Called by vLLM's attention before it reads a layer: block until every restore in
+        this step has written that layer of each chunk (or is over: what failed is reported
+        after the step), at most until its deadline. Restores beside the pass are never
+        read before vLLM hears they finished, and are not waited for."""
+        layer = self.layer_index.get(layer_name)
+        if layer is None or not self._stepping:
+            return
+        for load in self._stepping:
+            if load.future is None:
+                continue  # refused: nothing will be written
+            with load.lock:
+                while not (load.over or load.abandoned or load.written[layer] >= load.limit):
+                    left = load.deadline - self._clock()
+                    if left <= 0:
+                        break  # abandoned when the step is settled; reported failed
+                    load.layer_in.wait(left)
 
     def _outcome(self, load: _Load, now: float) -> int | None:
         """Chunks written for a finished restore; None while it is still running."""
@@ -459,19 +500,18 @@ class WorkerSide:
             if now < load.deadline:
                 return None
             with load.lock:
-                if not load.writing:
-                    load.abandoned = True
-            if load.abandoned:
-                log.warning(
-                    "kvcloud restore of %s ran past its timeout (%.2fs): recomputing",
-                    load.spec.req_id,
-                    self._timeout(load.spec),
-                )
-                self.count(load_timeouts=1)
-                self._remember_bad(load.spec.chunks[0].object_key)
-                self.store_breaker.failure("restore timed out", timeout=True)
-                return 0
-            # already writing into vLLM's blocks: a local copy, wait for it to end
+                # taken between two layer writes: none is written after this (vLLM may give
+                # the blocks to another request), whatever was is recomputed
+                load.abandoned = True
+            log.warning(
+                "kvcloud restore of %s ran past its timeout (%.2fs): recomputing",
+                load.spec.req_id,
+                self._timeout(load.spec),
+            )
+            self.count(load_timeouts=1)
+            self._remember_bad(load.spec.chunks[0].object_key)
+            self.store_breaker.failure("restore timed out", timeout=True)
+            return 0
         try:
             return future.result()
         except Exception as exc:  # never into vLLM: the blocks are recomputed instead
@@ -480,7 +520,10 @@ class WorkerSide:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """The restores that are over (done, failed or abandoned), their failed blocks noted
-        for ``get_block_ids_with_load_errors`` in this same pass."""
+        for ``get_block_ids_with_load_errors`` in this same pass; first the restores of this
+        step's forward pass, whose failures are reported now too."""
+        if self._stepping:
+            self._settle_stepping()
         if not self._loads:
             return None, None
         now = self._clock()
