@@ -667,26 +667,8 @@ def _parse_header(h: Any) -> SegmentHeader:
         pieces = tuple(table)
     elif "ld" in h:
         raise MalformedHeaderError(f"a format {version} header holds no piece digests")
-    part = None
-    if "heads" in h:
-        rng = _field(h, "heads", list)
-        if len(rng) != 2 or any(type(x) is not int for x in rng):
-            raise MalformedHeaderError("heads must be two ints")
-        lo, hi = rng
-        if not 0 <= lo < hi < 1 << 20 or hi - lo != layout[1]:
-            raise MalformedHeaderError(f"heads [{lo}, {hi}) disagree with the layout's {layout[1]}")
-        part = (lo, hi)
-    stage = None
-    if "layers" in h:
-        rng = _field(h, "layers", list)
-        if len(rng) != 2 or any(type(x) is not int for x in rng):
-            raise MalformedHeaderError("layers must be two ints")
-        lo, hi = rng
-        if not 0 <= lo < hi < 1 << 20 or hi - lo != layout[0]:
-            raise MalformedHeaderError(
-                f"layers [{lo}, {hi}) disagree with the layout's {layout[0]}"
-            )
-        stage = (lo, hi)
+    part = _range_field(h, "heads", layout[1])
+    stage = _range_field(h, "layers", layout[0])
     return SegmentHeader(
         version=version,
         ns=ns,
@@ -703,6 +685,20 @@ def _parse_header(h: Any) -> SegmentHeader:
         layers=stage,
         pieces=pieces,
     )
+
+
+def _range_field(h: dict[str, Any], name: str, width: int) -> tuple[int, int] | None:
+    """A part's range of heads or layers [lo, hi), which must span ``width`` (its layout's);
+    None when the header has none (every head, every layer)."""
+    if name not in h:
+        return None
+    rng = _field(h, name, list)
+    if len(rng) != 2 or any(type(x) is not int for x in rng):
+        raise MalformedHeaderError(f"{name} must be two ints")
+    lo, hi = rng
+    if not 0 <= lo < hi < 1 << 20 or hi - lo != width:
+        raise MalformedHeaderError(f"{name} [{lo}, {hi}) disagree with the layout's {width}")
+    return (lo, hi)
 
 
 def read_header(data: bytes | bytearray | memoryview) -> tuple[SegmentHeader, int]:

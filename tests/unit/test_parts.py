@@ -102,14 +102,17 @@ def test_a_whole_chunk_serves_a_narrower_reader(kvc: KVCloud) -> None:
     assert res.chunks == 2 and np.array_equal(got, kv[:, :, :, 2:4])
 
 
+def encrypting(tmp_path: Path) -> KVCloud:
+    """A client on the embedded backends that encrypts every tenant's objects."""
+    return KVCloud.open(
+        store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db", secret="s",
+        encrypt_tenants="*",
+    )  # fmt: skip
+
+
 def test_encrypted_parts_round_trip(tmp_path: Path) -> None:
     ns = make_ns()
-    with KVCloud.open(
-        store=f"file://{tmp_path}/o",
-        index=f"sqlite://{tmp_path}/i.db",
-        secret="s",
-        encrypt_tenants="*",
-    ) as kvc:
+    with encrypting(tmp_path) as kvc:
         tokens, kv = stored_in_parts(kvc, ns, 2)
         raw = (tmp_path / "o").rglob("*.b3")
         assert not any(kv[:, :, :16, :2].tobytes()[:64] in p.read_bytes() for p in raw)
@@ -370,12 +373,7 @@ def test_grid_keys_parse_and_plain_keys_stay_plain() -> None:
 def test_encrypted_stage_parts_round_trip(tmp_path: Path) -> None:
     """A stage's layer range is bound into an encrypted part's AAD as its head range is."""
     ns = make_ns()
-    with KVCloud.open(
-        store=f"file://{tmp_path}/o",
-        index=f"sqlite://{tmp_path}/i.db",
-        secret="s",
-        encrypt_tenants="*",
-    ) as kvc:
+    with encrypting(tmp_path) as kvc:
         tokens, kv, offered = stored_in_stages(kvc, ns, 2)
         assert offered[-1] is True
         assert np.array_equal(kvc.pull(kvc.lookup(ns, tokens)), kv)

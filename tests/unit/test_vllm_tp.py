@@ -120,14 +120,10 @@ def restores_its_heads(
     ws.shutdown()
 
 
-def test_a_tp2_save_restores_into_tp1_and_tp2(tmp_path: Path) -> None:
-    ns = make_ns("float32", num_kv_heads=H, num_layers=L)
-    tokens = make_tokens(2 * ns.chunk_tokens)
-    kv = make_kv(ns, len(tokens))
-    ranks = [rank(tmp_path, shard_of(r, 2, H)) for r in range(2)]
-    reader = KVCloud.open(
-        store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db", secret="s"
-    )
+def save_from(ranks: list, reader: KVCloud, ns: Any, tokens: Any, kv: np.ndarray) -> int:
+    """Each rank in turn saves the two chunks of ``tokens`` (its heads and layers of ``kv``,
+    as vLLM's forward pass left them in its blocks) and its uploader drains; the chunks are a
+    miss until the last rank's parts are in. Returns the chunks the ranks registered."""
     fps = reader.fingerprints(ns, tokens)
     parents = [ns.digest, *fps[:-1]]
     blocks = [[1, 2], [3, 4]]  # block 0 is vLLM's null block
@@ -146,9 +142,20 @@ def test_a_tp2_save_restores_into_tp1_and_tp2(tmp_path: Path) -> None:
         stats = ws.take_stats()
         assert stats["parts_pushed"] == 2
         registered += stats.get("chunks_registered", 0)
-        # one rank's parts alone register nothing: the chunk is a miss until both are in
-        assert reader.lookup(ns, tokens).tokens == (0 if n == 0 else len(tokens))
-    assert registered == 2  # each chunk once, by the rank whose part came last
+        # some ranks' parts alone register nothing: a miss until every part is in
+        assert reader.lookup(ns, tokens).tokens == (0 if n < len(ranks) - 1 else len(tokens))
+    return registered
+
+
+def test_a_tp2_save_restores_into_tp1_and_tp2(tmp_path: Path) -> None:
+    ns = make_ns("float32", num_kv_heads=H, num_layers=L)
+    tokens = make_tokens(2 * ns.chunk_tokens)
+    kv = make_kv(ns, len(tokens))
+    ranks = [rank(tmp_path, shard_of(r, 2, H)) for r in range(2)]
+    reader = KVCloud.open(
+        store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db", secret="s"
+    )
+    assert save_from(ranks, reader, ns, tokens, kv) == 2  # each chunk once, by the last rank
     m = reader.lookup(ns, tokens)
     assert all(len(ref.entry.keys) == 2 for ref in m.chunks)
     # a TP-1 reader gets the whole KV, bit for bit
@@ -212,26 +219,7 @@ def test_a_pp2_save_is_a_grid_restored_by_every_shape(tmp_path: Path, tp: int) -
     reader = KVCloud.open(
         store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db", secret="s"
     )
-    fps = reader.fingerprints(ns, tokens)
-    parents = [ns.digest, *fps[:-1]]
-    blocks = [[1, 2], [3, 4]]
-    spec = SaveSpec(
-        "req", "default", [SaveChunk(i, fps[i], parents[i], blocks[i]) for i in range(2)]
-    )
-    meta = SimpleNamespace(loads=[], saves=[spec])
-    registered = 0
-    for n, (ws, _) in enumerate(ranks):
-        fill(ws, kv, [b for bl in blocks for b in bl])
-        for name in ws.layer_index:
-            ws.save_kv_layer(meta, name, ws.caches[name])  # type: ignore[arg-type]
-        ws.wait_for_save()
-        assert ws.uploader is not None
-        ws.uploader.close()
-        stats = ws.take_stats()
-        assert stats["parts_pushed"] == 2
-        registered += stats.get("chunks_registered", 0)
-        assert reader.lookup(ns, tokens).tokens == (0 if n < len(ranks) - 1 else len(tokens))
-    assert registered == 2
+    assert save_from(ranks, reader, ns, tokens, kv) == 2
     m = reader.lookup(ns, tokens)
     assert all([s[0] for s in ref.entry.stages] == [(0, 2), (2, 4)] for ref in m.chunks)
     assert all(len(ref.entry.keys) == 2 * tp for ref in m.chunks)
