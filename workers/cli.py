@@ -1,6 +1,6 @@
 """The ``kvcloud-worker`` command line.
 
-``kvcloud-worker serve`` runs the HTTP inference server (see ``workers.server``). Each engine
+``kvcloud-worker serve`` runs the HTTP inference server (see ``workers.http.server``). Each engine
 flag defaults to its environment variable (KVCLOUD_STORE, KVCLOUD_INDEX, KVCLOUD_WORKER_ID, ...,
 listed in ``workers.config``), then to the built-in default. The fingerprint secret is read from
 KVCLOUD_SECRET only: a flag would show it in every process listing.
@@ -199,7 +199,7 @@ class _Server(uvicorn.Server):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .server import configure_logging, create_app
+    from .http.server import configure_logging, create_app
 
     options = options_from_args(args)
     configure_logging(args.log_level, args.log_format)

@@ -10,7 +10,7 @@ from typing import Any
 
 from kvcloud.config import env_values
 
-from .auth import ApiKeys, load_api_keys
+from .http.auth import ApiKeys, load_api_keys
 
 WRITE_POLICIES = ("write-back", "write-through", "off")
 
@@ -96,7 +96,7 @@ class WorkerOptions:
     """Tenant of every request when no API keys are configured (unused when they are)."""
 
     api_keys_file: str | None = field(default=None, metadata={"env": "KVCLOUD_API_KEYS_FILE"})
-    """File of '<key> <tenant>' lines (see workers.auth); requests must then carry a key."""
+    """File of '<key> <tenant>' lines (see workers.http.auth); requests must then carry a key."""
 
     api_keys: str | None = field(default=None, repr=False, metadata={"env": "KVCLOUD_API_KEYS"})
     """'key1=tenantA,key2=tenantB'; env only (a flag would show keys in process listings)."""

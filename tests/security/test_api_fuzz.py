@@ -20,7 +20,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance as ACCEPT
 
 from workers.config import WorkerOptions
 from workers.engine import Engine
-from workers.server import create_app
+from workers.http.server import create_app
 
 API_KEY = "sk-fuzz-" + secrets.token_hex(16)
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

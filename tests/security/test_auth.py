@@ -18,12 +18,12 @@ pytest.importorskip("torch")
 
 from fastapi.testclient import TestClient
 
-from workers import auth
-from workers.auth import ApiKeyError, ApiKeys, bearer_token, load_api_keys
 from workers.cli import main as cli_main
 from workers.config import WorkerOptions
 from workers.engine import Engine
-from workers.server import MAX_BODY_BYTES, create_app
+from workers.http import auth
+from workers.http.auth import ApiKeyError, ApiKeys, bearer_token, load_api_keys
+from workers.http.server import MAX_BODY_BYTES, create_app
 
 KEY_A = "sk-alpha-" + secrets.token_hex(12)
 KEY_A2 = "sk-alpha2-" + secrets.token_hex(12)  # a second key of the same tenant

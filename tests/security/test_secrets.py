@@ -21,7 +21,7 @@ import pytest
 
 from tests.e2e.conftest import WorkerProc
 from tests.servers import MotoServer, RedisServer, free_port
-from workers.auth import CredentialRedactor
+from workers.http.auth import CredentialRedactor
 
 pytestmark = pytest.mark.integration
 

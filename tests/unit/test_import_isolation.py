@@ -65,3 +65,25 @@ def test_backends_sit_below_the_configuration() -> None:
                     offenders.append(f"{path.relative_to(root)}: from {target} import …")
     assert offenders == []
     assert not (root / "netem.py").exists()  # a benchmark tool, not the library
+
+
+def test_the_engine_never_imports_the_http_layer() -> None:
+    """``workers.http`` drives the engine; no module outside it imports it but the worker's
+    configuration (API keys) and command line (which starts the server)."""
+    import ast
+    from pathlib import Path
+
+    import workers
+
+    root = Path(workers.__file__).parent
+    offenders = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if rel.parts[0] == "http" or rel.name in ("config.py", "cli.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                name = ("." * node.level) + (node.module or "")
+                if name.lstrip(".").startswith("http") or "workers.http" in name:
+                    offenders.append(f"{rel}: from {name}")
+    assert offenders == []

@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 
 from workers.config import WorkerOptions
 from workers.engine import Engine
-from workers.server import JsonFormatter, RequestIdFilter, create_app
+from workers.http.server import JsonFormatter, RequestIdFilter, create_app
 
 REPO = Path(__file__).resolve().parents[2]
 MASTER_SECRET = "log-test-master-secret-8c1f"

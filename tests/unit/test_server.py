@@ -26,7 +26,7 @@ from workers.cli import main as cli_main
 from workers.config import WorkerOptions
 from workers.engine import Engine
 from workers.errors import CacheFullError
-from workers.server import MAX_BODY_BYTES, create_app
+from workers.http.server import MAX_BODY_BYTES, create_app
 
 REPO = Path(__file__).resolve().parents[2]
 UNKNOWN_SESSION = "sess_" + "0" * 32

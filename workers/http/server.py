@@ -17,7 +17,7 @@ the same tokens), ``session_id``, ``return_token_ids`` (adds ``choices[0].token_
 generated ids), ``ignore_eos`` (vLLM's extension: keep generating past EOS), ``model`` (echoed,
 not used to route). Other OpenAI fields are accepted and ignored, except ``n``, which only
 takes its single-choice value. ``stream: true`` answers as Server-Sent Events in OpenAI's chunk
-format (``workers.streaming``), with ``stream_options.include_usage``.
+format (``workers.http.streaming``), with ``stream_options.include_usage``.
 
 Prompts: a text prompt is encoded with the model's tokenizer and BOS is put in front when it
 would start the model input (a request without a session, or a session's first turn). A prompt
@@ -40,7 +40,7 @@ whose KV was in this worker's pages), ``tokens_remote`` (pulled from kvcloud),
 ``usage.prompt_tokens`` counts the whole model input, session history included, and
 ``usage.prompt_tokens_details.cached_tokens`` is tokens_local + tokens_remote.
 
-Authentication (see ``workers.auth``): with API keys configured, every ``/v1/`` request must
+Authentication (see ``workers.http.auth``): with API keys configured, every ``/v1/`` request must
 send ``Authorization: Bearer <key>``; the key decides the tenant (fingerprint key and sessions).
 A missing or unknown key is answered 401 before the body is read. ``/healthz``, ``/metrics``
 and the OpenAPI document stay open for probes and scrapers; they hold no tenant data. Without
@@ -73,8 +73,9 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..errors import BadRequestError, ContextLengthError, WorkerError
+from ..types import CompletionRequest, CompletionResult
 from .auth import ApiKeys, redact_credentials_in_logs
-from .errors import BadRequestError, ContextLengthError, WorkerError
 from .http_logging import JsonFormatter, RequestIdFilter, RequestIdMiddleware, configure_logging
 from .middleware import (
     AUTH_SCHEME,
@@ -109,10 +110,9 @@ from .schemas import (
     request_models,
 )
 from .streaming import stream_completion
-from .types import CompletionRequest, CompletionResult
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..engine import Engine
 
 log = logging.getLogger("kvcloud.worker.http")
 # At import, not in create_app: `kvcloud-worker serve` imports this module before it builds the
