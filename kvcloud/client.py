@@ -135,10 +135,6 @@ def _stage_bounds(ns: Namespace, stages: Sequence[int] | None) -> tuple[int, ...
     return bounds
 
 
-def _stage_pairs(bounds: Sequence[int]) -> list[tuple[int, int]]:
-    return list(itertools.pairwise(bounds))
-
-
 def _grid(ns: Namespace, entry: IndexEntry) -> list[tuple[int, int, int, int]] | None:
     """Every part an entry names as (layer lo, layer hi, head lo, head hi), in key order;
     None when the entry's layout cannot be a chunk of ``ns`` (stages that do not tile its
@@ -480,9 +476,9 @@ class KVCloud(Closing):
         if ns.num_kv_heads % parts:
             raise LayoutError(f"{parts} parts cannot split {ns.num_kv_heads} KV heads evenly")
         bounds = _stage_bounds(ns, stages)
-        if (layers is None) != (len(bounds) == 2) or (
-            layers is not None and layers not in _stage_pairs(bounds)
-        ):
+        # the stages whose parts make the chunk: one of every layer without pipeline stages
+        stage_rows = list(itertools.pairwise(bounds)) if layers is not None else [None]
+        if (layers is None) != (len(bounds) == 2) or layers not in stage_rows:
             raise LayoutError(f"layers {layers} are not one of the stages {list(bounds)}")
         now = time.time()
         w = ns.num_kv_heads // parts
@@ -490,10 +486,7 @@ class KVCloud(Closing):
         self.index.register(
             ns.id, part_record_fp(fp, mine, layers).hex(), IndexEntry(key, n_tokens, size, now)
         )
-        grid = [
-            (stage, [(j * w, (j + 1) * w) for j in range(parts)])
-            for stage in (_stage_pairs(bounds) if layers is not None else [None])
-        ]
+        grid = [(stage, [(j * w, (j + 1) * w) for j in range(parts)]) for stage in stage_rows]
         found = self.index.lookup(
             ns.id,
             [part_record_fp(fp, h, stage).hex() for stage, hs in grid for h in hs],
