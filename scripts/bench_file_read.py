@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from kvcloud import KVCloud
-from kvcloud.bench import BenchLayout, _fresh_chain, _random_chunks
+from kvcloud.tools.bench import BenchLayout
+from kvcloud.tools.bench.layout import _fresh_chain, _random_chunks
 
 
 def main() -> None:

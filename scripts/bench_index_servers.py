@@ -37,7 +37,7 @@ import redis
 
 from kvcloud import KVCloud, Namespace
 from kvcloud.indexes import IndexEntry, RedisIndex
-from kvcloud.indexes.redis import _fields
+from kvcloud.indexes.redis_layout import _fields
 from kvcloud.segment import content_digest, object_key
 from tests.servers import redis_family_version, start_redis
 

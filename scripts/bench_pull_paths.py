@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from kvcloud import KVCloud, Namespace
-from kvcloud.bench import _plain_client, local_servers
+from kvcloud.tools.bench import local_servers
+from kvcloud.tools.bench.baselines import _plain_client
 
 
 def main() -> None:

@@ -5,8 +5,8 @@ chunks, but their namespaces differ on purpose (``vllm/llama`` with the connecto
 version, ``hf-llama`` with the worker's), so neither restores what the other stored. This
 measures why: a vLLM with the connector prefills a prompt into a ``file://`` store, the
 chunks are pulled back by a plain ``KVCloud`` in the connector's namespace, and compared with
-the K and V the worker's own model (workers/model.py, the same weights) computes for the same
-tokens. Any difference means a restore across the two would hand one engine KV that its own
+the K and V the worker's own model (workers/engine/model.py, the same weights) computes for the
+same tokens. Any difference means a restore across the two would hand one engine KV that its own
 prefill would not have produced: an answer could change.
 
     .venv/bin/python scripts/compare_worker_vllm_kv.py [--tokens 512]
@@ -52,7 +52,7 @@ class _Pages:
 
 
 def worker_kv(tokens: list[int]) -> np.ndarray:
-    from workers import hf
+    from workers.engine import hf
 
     ckpt = hf.inspect_checkpoint(SMOLLM2)
     model, _ = hf.load_model(ckpt, torch.device("cpu"), torch.float32)

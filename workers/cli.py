@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(s)
     s.set_defaults(func=cmd_serve)
 
-    from .bench import add_bench_parser
+    from .bench.cli import add_bench_parser
 
     add_bench_parser(sub)
     return p

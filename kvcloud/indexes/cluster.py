@@ -4,8 +4,9 @@ URL: ``redis+cluster://[user:password@]host:port[,host:port...][/0]?prefix=kvc&t
 (``rediss+cluster://`` for TLS). The hosts are startup nodes: any reachable one is enough to
 discover the cluster; list several so that one being down at startup does not matter.
 
-The key schema is :class:`~kvcloud.indexes.redis.RedisIndex`'s, which carries no hash tags on
-purpose: each bucket hashes to its own slot, so a hot namespace spreads over every master
+The key schema is :class:`~kvcloud.indexes.redis.RedisIndex`'s (laid out in
+:mod:`~kvcloud.indexes.redis_layout`), which carries no hash tags on purpose: each bucket
+hashes to its own slot, so a hot namespace spreads over every master
 instead of pinning one. That rules out multi-key commands across entries, so this variant
 (``_single_key``) turns the multi-key paths of RedisIndex into single-key ones:
 

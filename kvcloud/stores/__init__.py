@@ -13,7 +13,8 @@ from .file import FileStore
 
 # s3.py imports boto3 only when an S3Store is built, so this import is cheap and works
 # without the [s3] extra installed.
-from .s3 import S3Config, S3Store
+from .s3 import S3Store
+from .s3_config import S3Config
 
 KNOWN_SCHEMES = ("file://", "s3://")
 _FILE_OPTIONS = ("fsync", "threads")

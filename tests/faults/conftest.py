@@ -325,7 +325,7 @@ def check_index(store_url: str, index_url: str) -> dict[str, Any]:
 def verify_cli(store_url: str, index_url: str, deep: bool = True) -> dict[str, Any] | None:
     """``kvcloud verify [--deep] --json``; None when this build has no verify command."""
     try:
-        import kvcloud.maintenance as maintenance
+        import kvcloud.tools.verify as maintenance
     except ImportError:
         return None
     if not hasattr(maintenance, "verify"):
@@ -333,7 +333,7 @@ def verify_cli(store_url: str, index_url: str, deep: bool = True) -> dict[str, A
     argv = [
         sys.executable,
         "-m",
-        "kvcloud.cli",
+        "kvcloud.tools.cli",
         "verify",
         "--store",
         store_url,

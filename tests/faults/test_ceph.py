@@ -23,9 +23,10 @@ import boto3
 import pytest
 
 from kvcloud.indexes import open_index
-from kvcloud.maintenance import gc, verify
 from kvcloud.stores import S3Config, open_store
 from kvcloud.stores.s3_writes import PROBE_DIR
+from kvcloud.tools.gc import gc
+from kvcloud.tools.verify import verify
 from tests.ceph import CephRGW, start_ceph_rgw
 from tests.faults.conftest import (
     CHUNK,

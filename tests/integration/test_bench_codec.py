@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.bench_codec import codec_markdown, run_codec_bench
+from workers.bench.codec import codec_markdown, run_codec_bench
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 SMOLLM2 = Path(

@@ -19,9 +19,8 @@ import pytest
 
 from tests.hf_models import build_checkpoint, chat_reference
 from workers.config import WorkerOptions
-from workers.engine import Engine
+from workers.engine import CompletionRequest, Engine
 from workers.errors import BadRequestError
-from workers.types import CompletionRequest
 
 C = 16
 ROOT = Path(__file__).resolve().parents[2]

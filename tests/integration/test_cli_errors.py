@@ -18,7 +18,7 @@ import boto3
 import pytest
 
 from kvcloud import KVCloud
-from kvcloud.cli import main
+from kvcloud.tools.cli import main
 from tests.helpers import make_kv, make_ns, make_tokens
 from tests.servers import MotoServer, RedisServer, free_port, start_redis
 

@@ -30,7 +30,7 @@ from tests.servers import free_port
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "infra" / "grafana" / "kvcloud-dashboard.json"
 PROMETHEUS = shutil.which("prometheus")
-KVCLOUD = [sys.executable, "-m", "kvcloud.cli"]
+KVCLOUD = [sys.executable, "-m", "kvcloud.tools.cli"]
 # a small conversation on the tiny model; each worker waits 3 s (3 scrapes) after it
 # starts and before it stops, so Prometheus sees its counters before and after the work
 DEMO = [sys.executable, "-m", "workers.demo", "--model", "tiny", "--chars", "700"]

@@ -21,8 +21,9 @@ import pytest
 from kvcloud import KVCloud, PushError
 from kvcloud.indexes import open_index
 from kvcloud.indexes.base import Index, IndexEntry
-from kvcloud.maintenance import GcReport, gc, verify
 from kvcloud.stores import open_store
+from kvcloud.tools.gc import GcReport, gc
+from kvcloud.tools.verify import verify
 from tests.helpers import make_kv, make_ns, make_tokens, same_bits
 from tests.s3_servers import WITHOUT_CONDITIONAL_WRITES, S3Server, server_name
 

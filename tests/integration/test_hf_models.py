@@ -17,10 +17,9 @@ import torch
 
 from tests.hf_models import build_checkpoint, to_v4_config
 from workers.config import WorkerOptions
-from workers.engine import Engine
-from workers.hf import CheckpointError, HFTokenizer, inspect_checkpoint
-from workers.pages import SeqPages
-from workers.types import CompletionRequest
+from workers.engine import CompletionRequest, Engine
+from workers.engine.hf import CheckpointError, HFTokenizer, inspect_checkpoint
+from workers.engine.pages import SeqPages
 
 C = 16
 

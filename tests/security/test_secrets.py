@@ -193,7 +193,7 @@ def _kvcloud_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env.pop("KVCLOUD_INDEX", None)
     env.pop("KVCLOUD_STORE", None)
     return subprocess.run(
-        [sys.executable, "-m", "kvcloud.cli", *args],
+        [sys.executable, "-m", "kvcloud.tools.cli", *args],
         capture_output=True,
         text=True,
         timeout=60,

@@ -12,11 +12,10 @@ from typing import Any
 
 import pytest
 
-from kvcloud import bench
-from kvcloud.bench import BenchError, BenchLayout, run_store_bench
-from kvcloud.cli import main
 from kvcloud.indexes import open_index
 from kvcloud.stores import open_store
+from kvcloud.tools.bench import BenchError, BenchLayout, run_store_bench, servers
+from kvcloud.tools.cli import main
 from tests.servers import MotoServer
 
 TINY = ["--model", "tiny", "--chunk-tokens", "16", "--chunks", "8", "--lookup-iters", "20"]
@@ -93,8 +92,8 @@ def test_embedded_backends(tmp_path: Path) -> None:
 
 @pytest.mark.integration
 def test_index_memory_figure(redis_url: str) -> None:
-    from kvcloud.bench import _index_memory_bench
     from kvcloud.indexes import RedisIndex, SQLiteIndex
+    from kvcloud.tools.bench.lookup import _index_memory_bench
 
     ns_id = f"memtest{uuid.uuid4().hex[:8]}"
     with RedisIndex(redis_url) as index:
@@ -159,10 +158,10 @@ def test_cli_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_missing_server_binaries(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(bench.sys, "executable", str(tmp_path / "python"))
-    monkeypatch.setattr(bench.shutil, "which", lambda _name: None)
+    monkeypatch.setattr(servers.sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setattr(servers.shutil, "which", lambda _name: None)
     with pytest.raises(BenchError, match=r"moto_server.*redis-server"):
-        bench.find_server_binaries()
+        servers.find_server_binaries()
 
 
 def test_layout_overrides() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvcloud import KVCloud
-from kvcloud.cli import main
+from kvcloud.tools.cli import main
 from tests.helpers import make_kv, make_ns, make_tokens
 
 
@@ -95,7 +95,7 @@ def test_human_output_and_env_vars(populated, monkeypatch: pytest.MonkeyPatch) -
     env = {"KVCLOUD_STORE": store, "KVCLOUD_INDEX": index, "PATH": "/usr/bin:/bin"}
     for cmd in (["stats"], ["ls"]):
         out = subprocess.run(
-            [sys.executable, "-m", "kvcloud.cli", *cmd],
+            [sys.executable, "-m", "kvcloud.tools.cli", *cmd],
             env=env,
             capture_output=True,
             text=True,
@@ -111,7 +111,7 @@ def test_unreachable_index_is_one_clear_line(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "kvcloud.cli",
+            "kvcloud.tools.cli",
             "stats",
             "--no-store",
             "--index",
@@ -153,7 +153,7 @@ def test_stats_exporter_serves_figures_that_move(tmp_path: Path) -> None:
     with KVCloud.open(store=store, index=index) as kv:
         kv.push(ns, make_tokens(40, seed=1), make_kv(ns, 40))
     port = free_port()
-    argv = [sys.executable, "-m", "kvcloud.cli", "stats", "--serve", f"127.0.0.1:{port}"]
+    argv = [sys.executable, "-m", "kvcloud.tools.cli", "stats", "--serve", f"127.0.0.1:{port}"]
     proc = subprocess.Popen(
         [*argv, "--interval", "0.2", "--store", store, "--index", index],
         stdout=subprocess.PIPE,
@@ -192,7 +192,7 @@ def test_stats_exporter_keeps_last_figures_when_a_scan_fails() -> None:
     from prometheus_client import generate_latest
 
     from kvcloud.errors import StoreUnavailableError
-    from kvcloud.exporter import StatsExporter
+    from kvcloud.tools.exporter import StatsExporter
 
     results: list[object] = [
         {
@@ -231,7 +231,7 @@ def test_stats_exporter_keeps_last_figures_when_a_scan_fails() -> None:
     ],
 )
 def test_serve_address(value: str, expected: tuple[str, int]) -> None:
-    from kvcloud.exporter import parse_listen
+    from kvcloud.tools.exporter import parse_listen
 
     assert parse_listen(value) == expected
 
@@ -239,7 +239,7 @@ def test_serve_address(value: str, expected: tuple[str, int]) -> None:
 @pytest.mark.parametrize("value", ["", "host:", "x:99999", "abc"])
 def test_serve_address_rejects_garbage(value: str) -> None:
     from kvcloud.errors import KVCloudError
-    from kvcloud.exporter import parse_listen
+    from kvcloud.tools.exporter import parse_listen
 
     with pytest.raises(KVCloudError):
         parse_listen(value)

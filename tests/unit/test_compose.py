@@ -15,10 +15,10 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from kvcloud.cli import build_parser
 from kvcloud.config import KVCloudConfig
 from kvcloud.indexes import KNOWN_SCHEMES as INDEX_SCHEMES
 from kvcloud.stores import S3Config
+from kvcloud.tools.cli import build_parser
 from kvcloud.urls import split_url
 from workers.config import WorkerOptions
 

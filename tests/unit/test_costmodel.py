@@ -8,10 +8,9 @@ from pathlib import Path
 import numpy as np
 
 from workers.config import WorkerOptions
-from workers.costmodel import CostModel
-from workers.engine import Engine
-from workers.model import preset
-from workers.types import CompletionRequest
+from workers.engine import CompletionRequest, Engine
+from workers.engine.costmodel import CostModel
+from workers.engine.model import preset
 
 C = 16
 

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvcloud import KVCloud, doctor
-from kvcloud.cli import main
+from kvcloud import KVCloud
 from kvcloud.stores import FileStore
+from kvcloud.tools import doctor
+from kvcloud.tools.cli import main
 from tests.helpers import make_kv, make_ns, make_tokens
 from tests.s3_servers import S3Server
 from tests.servers import MotoServer, free_port
@@ -50,7 +51,10 @@ def test_human_output_is_one_line_per_check(tmp_path: Path) -> None:
         "KVCLOUD_INDEX": f"sqlite://{tmp_path / 'i.db'}",
     }
     r = subprocess.run(
-        [sys.executable, "-m", "kvcloud.cli", "doctor"], capture_output=True, text=True, env=env
+        [sys.executable, "-m", "kvcloud.tools.cli", "doctor"],
+        capture_output=True,
+        text=True,
+        env=env,
     )
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
@@ -182,7 +186,7 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         "AWS_SECRET_ACCESS_KEY": "testing",
     }
     return subprocess.run(
-        [sys.executable, "-m", "kvcloud.cli", "doctor", *args],
+        [sys.executable, "-m", "kvcloud.tools.cli", "doctor", *args],
         capture_output=True,
         text=True,
         env=env,

@@ -488,8 +488,7 @@ def test_worker_encrypts_per_tenant(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     restores acme's session."""
     pytest.importorskip("torch")
     from workers.config import WorkerOptions
-    from workers.engine import Engine
-    from workers.types import CompletionRequest
+    from workers.engine import CompletionRequest, Engine
 
     monkeypatch.setenv("KVCLOUD_ENCRYPT_TENANTS", "acme")
     opts = dict(
@@ -535,7 +534,7 @@ def test_worker_encrypts_per_tenant(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 def test_bench_store_reports_encryption_overhead(tmp_path: Path) -> None:
-    from kvcloud.bench import BenchLayout, run_store_bench
+    from kvcloud.tools.bench import BenchLayout, run_store_bench
 
     r = run_store_bench(
         f"file://{tmp_path / 'o'}",

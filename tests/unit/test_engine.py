@@ -12,11 +12,10 @@ import torch
 
 from kvcloud import KVCloud
 from workers.config import WorkerOptions
-from workers.engine import Engine
+from workers.engine import CompletionRequest, Engine
+from workers.engine.model import Decoder, ModelConfig, preset
+from workers.engine.pages import SeqPages
 from workers.errors import BadRequestError, CacheFullError, ContextLengthError, SessionUnknownError
-from workers.model import Decoder, ModelConfig, preset
-from workers.pages import SeqPages
-from workers.types import CompletionRequest
 
 C = 16
 

@@ -15,8 +15,7 @@ import pytest
 from kvcloud.errors import IndexBackendError
 from kvcloud.sessions import REVISION_KEY, unpack_record
 from workers.config import WorkerOptions
-from workers.engine import Engine
-from workers.types import CompletionRequest
+from workers.engine import CompletionRequest, Engine
 
 C = 16
 T = "default"

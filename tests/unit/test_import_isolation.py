@@ -87,3 +87,86 @@ def test_the_engine_never_imports_the_http_layer() -> None:
                 if name.lstrip(".").startswith("http") or "workers.http" in name:
                     offenders.append(f"{rel}: from {name}")
     assert offenders == []
+
+
+def worker_imports() -> dict[str, set[str]]:
+    """Each module of ``workers`` → the ``workers`` modules it imports, wherever in it (at the
+    top, inside a function, under ``TYPE_CHECKING``)."""
+    import ast
+    from pathlib import Path
+
+    import workers
+
+    root = Path(workers.__file__).parent
+    files = {}
+    for path in root.rglob("*.py"):
+        parts = ("workers", *path.relative_to(root).with_suffix("").parts)
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                if node.module:  # ``from . import hf`` imports the module, not its package
+                    targets.add(base)
+                targets |= {f"{base}.{alias.name}" for alias in node.names}
+        graph[name] = {t for t in targets if t in files and t != name}
+    return graph
+
+
+def inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_engine_imports_neither_the_http_layer_nor_the_benchmarks() -> None:
+    """``workers.engine`` sits below both: the HTTP layer and the benchmarks drive it."""
+    offenders = [
+        f"{mod} imports {target}"
+        for mod, targets in worker_imports().items()
+        if inside(mod, "workers.engine")
+        for target in targets
+        if inside(target, "workers.http") or inside(target, "workers.bench")
+    ]
+    assert offenders == []
+
+
+def test_only_the_command_line_imports_the_benchmarks() -> None:
+    """A benchmark imports the engine, never the reverse; ``kvcloud-worker bench`` is the one
+    way in from outside ``workers.bench``."""
+    offenders = [
+        f"{mod} imports {target}"
+        for mod, targets in worker_imports().items()
+        if not inside(mod, "workers.bench") and mod != "workers.cli"
+        for target in targets
+        if inside(target, "workers.bench")
+    ]
+    assert offenders == []
+
+
+def test_the_worker_has_no_import_circle() -> None:
+    """Two modules importing each other work only in one import order (``bench`` and
+    ``bench_codec`` once did, each importing the other inside a function)."""
+    graph = worker_imports()
+    circles = []
+    state: dict[str, str] = {}  # "open" while on the path, "done" once left
+
+    def visit(mod: str, path: list[str]) -> None:
+        state[mod] = "open"
+        for target in sorted(graph[mod]):
+            if state.get(target) == "open":
+                circles.append(" → ".join([*path[path.index(target) :], target]))
+            elif target not in state:
+                visit(target, [*path, target])
+        state[mod] = "done"
+
+    for mod in sorted(graph):
+        if mod not in state:
+            visit(mod, [mod])
+    assert circles == []

@@ -16,7 +16,6 @@ from kvcloud import KVCloud
 from kvcloud.crypto import derive_data_key
 from kvcloud.errors import DigestMismatchError, HeaderMismatchError, MalformedHeaderError
 from kvcloud.segment import (
-    _PREFIX,
     MAGIC,
     content_digest,
     decode_segment,
@@ -28,6 +27,7 @@ from kvcloud.segment import (
     read_header,
     read_segment_into,
 )
+from kvcloud.segment.header import PREFIX as _PREFIX
 from tests.helpers import make_kv, make_ns, make_tokens, same_bits
 
 FP, PARENT = b"\x11" * 32, b"\x22" * 32
@@ -224,7 +224,7 @@ def test_pull_into_hands_each_chunk_layer_over_once(tmp_path: Path) -> None:
 def test_redis_entries_store_a_format_3_key_in_33_bytes() -> None:
     """The Redis index packs standard keys as a form byte and the raw digest; a format 3 key
     (``.b3l``) is one of them, and unpacks to itself."""
-    from kvcloud.indexes.redis import _pack_key, _unpack_key
+    from kvcloud.indexes.redis_layout import _pack_key, _unpack_key
 
     ns = make_ns()
     _, _, seg = _encoded()

@@ -1,4 +1,4 @@
-"""`kvcloud verify` and `kvcloud gc` (kvcloud/maintenance.py) on the embedded backends
+"""`kvcloud verify` and `kvcloud gc` (kvcloud/tools/verify.py, gc.py) on the embedded backends
 (file:// + sqlite://) and on real servers (moto_server + redis-server)."""
 
 from __future__ import annotations
@@ -18,13 +18,15 @@ import numpy as np
 import pytest
 
 from kvcloud import KVCloud, KVCloudConfig, Namespace
-from kvcloud.cli import main
 from kvcloud.errors import ConfigError
 from kvcloud.indexes.base import IndexEntry
-from kvcloud.maintenance import gc, is_object_key, parse_duration, parse_size, verify
 from kvcloud.segment import SEGMENT_VERSION, encode_segment, read_header
 from kvcloud.stores.base import ObjectInfo
 from kvcloud.stores.file import FileStore
+from kvcloud.tools.cli import main
+from kvcloud.tools.gc import gc, parse_duration, parse_size
+from kvcloud.tools.inventory import is_object_key
+from kvcloud.tools.verify import verify
 from tests.helpers import make_kv, make_ns, make_tokens, same_bits
 
 SESSION = "sess_" + "ab" * 16  # a realistic 128-bit id
@@ -580,7 +582,7 @@ def test_cli_human_output_and_errors(tmp_path: Path, capsys: pytest.CaptureFixtu
             [
                 sys.executable,
                 "-m",
-                "kvcloud.cli",
+                "kvcloud.tools.cli",
                 *cmd,
                 "--store",
                 env.store,

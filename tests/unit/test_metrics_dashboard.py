@@ -13,10 +13,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvcloud.cli import main
+from kvcloud.tools.cli import main
 from workers.config import WorkerOptions
-from workers.engine import Engine
-from workers.types import CompletionRequest
+from workers.engine import CompletionRequest, Engine
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "infra" / "grafana" / "kvcloud-dashboard.json"
 C = 16

@@ -17,8 +17,9 @@ import pytest
 from kvcloud import KVCloud, Namespace
 from kvcloud.errors import HeaderMismatchError, LayoutError, MalformedHeaderError
 from kvcloud.indexes.base import IndexEntry
-from kvcloud.maintenance import gc, verify
 from kvcloud.segment import decode_segment, encode_segment, part_layout
+from kvcloud.tools.gc import gc
+from kvcloud.tools.verify import verify
 
 H = 4  # KV heads of the namespace
 
@@ -172,7 +173,8 @@ def test_part_headers_are_checked() -> None:
     # a header whose range disagrees with its layout is malformed
     import msgpack
 
-    from kvcloud.segment import _PREFIX, MAGIC, content_digest
+    from kvcloud.segment import MAGIC, content_digest
+    from kvcloud.segment.header import PREFIX as _PREFIX
 
     hlen = _PREFIX.unpack_from(seg.data)[1]
     h = msgpack.unpackb(bytes(seg.data[_PREFIX.size : _PREFIX.size + hlen]))

@@ -12,7 +12,7 @@ import redis
 
 from kvcloud.errors import ConfigError, IndexBackendError
 from kvcloud.indexes import IndexEntry, RedisIndex
-from kvcloud.indexes.redis import _field
+from kvcloud.indexes.redis_layout import _field
 from tests.servers import RedisServer, start_redis
 
 pytestmark = pytest.mark.integration

@@ -18,10 +18,9 @@ import redis
 import redis.connection
 
 from kvcloud.errors import ConfigError, IndexUnavailableError
-from kvcloud.indexes import IndexEntry, RedisIndex, open_index
-from kvcloud.indexes import redis as redis_index
+from kvcloud.indexes import IndexEntry, RedisIndex, open_index, redis_layout
 from kvcloud.indexes.deferred import Deferred
-from kvcloud.indexes.redis import _field
+from kvcloud.indexes.redis_layout import _field
 from tests.servers import RedisServer, free_port, start_redis
 
 pytestmark = pytest.mark.integration
@@ -192,13 +191,13 @@ def test_bucket_names_follow_the_layout_in_many_namespaces(redis_url: str, bucke
     # 4,096 buckets: names come from a per-namespace table (bounded in count); 2**20: formatted
     # per lookup. Either way a bucket is named by the fingerprint's leading 32 bits.
     idx = RedisIndex(f"{redis_url}?buckets={buckets}", renew_delay=30)
-    spaces = [f"ns-{k}" for k in range(redis_index._NAME_TABLES + 2)]
+    spaces = [f"ns-{k}" for k in range(redis_layout._NAME_TABLES + 2)]
     chain = [hfp(i) for i in range(16)]
     for ns in spaces:
         assert all(idx.register_many(ns, [(h, entry(i)) for i, h in enumerate(chain)]))
     for ns in spaces + spaces[:1]:  # the first namespace again, after its table was dropped
         assert idx.lookup_run(ns, chain) == [entry(i) for i in range(16)]
-    assert len(idx._name_tables) <= redis_index._NAME_TABLES
+    assert len(idx._name_tables) <= redis_layout._NAME_TABLES
     client = redis.Redis.from_url(redis_url)
     keys = {k.decode() for k in client.scan_iter(match="kvc:h:*")}
     client.close()

@@ -161,7 +161,7 @@ def test_chat_completion_shape(client: TestClient, engine: Engine) -> None:
     assert choice["message"]["role"] == "assistant"
     assert choice["message"]["content"] == engine.tokenizer.decode(choice["token_ids"])
     assert choice["finish_reason"] in ("stop", "length") and choice["logprobs"] is None
-    from workers.tokenizer import apply_chat_template
+    from workers.engine.tokenizer import apply_chat_template
 
     n_prompt = len(engine.tokenizer.encode(apply_chat_template(messages))) + 1  # BOS
     assert d["usage"]["prompt_tokens"] == n_prompt
@@ -659,7 +659,7 @@ def test_a_stream_whose_reader_leaves_ends_the_turn_consistently(engine: Engine)
     """The engine side of a disconnect: generation stops at the next token, and the session
     holds exactly the prompt and the tokens generated, with their KV (checked by continuing
     it and comparing with a session that never streamed)."""
-    from workers.types import CompletionRequest
+    from workers.engine import CompletionRequest
 
     prompt = list(LONG_TEXT.encode())
     got: list[int] = []

@@ -104,7 +104,8 @@ def test_file_put_into_a_file_is_a_store_error(tmp_path: Path) -> None:
 def test_s3_put_of_parts_stores_their_concatenation() -> None:
     from moto import mock_aws
 
-    from kvcloud.stores.s3 import S3Config, S3Store
+    from kvcloud.stores.s3 import S3Store
+    from kvcloud.stores.s3_config import S3Config
 
     parts = (b"KVC1", memoryview(np.arange(7, dtype="<u2")), bytearray(b"tail"))
     with mock_aws(), S3Store(S3Config(bucket="bkt", create_bucket=True)) as store:

@@ -32,7 +32,7 @@ reused up to the longest common token prefix with that input; the rest is comput
 (plain concatenation) and the completion after it. Without a session, ``messages`` is the whole
 conversation, as in OpenAI's API. With ``session_write_through`` (the default) a session turn's
 record is in the index before its response completes (the JSON body, or ``data: [DONE]``), so
-the next turn may go to any worker (``workers.sessions``).
+the next turn may go to any worker (``workers.engine.sessions``).
 
 Responses add a ``kvcloud`` object: ``ttft_ms``, ``total_ms``, ``tokens_local`` (prompt tokens
 whose KV was in this worker's pages), ``tokens_remote`` (pulled from kvcloud),
@@ -73,8 +73,8 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..engine import CompletionRequest, CompletionResult
 from ..errors import BadRequestError, ContextLengthError, WorkerError
-from ..types import CompletionRequest, CompletionResult
 from .auth import ApiKeys, redact_credentials_in_logs
 from .http_logging import JsonFormatter, RequestIdFilter, RequestIdMiddleware, configure_logging
 from .middleware import (

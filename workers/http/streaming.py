@@ -25,9 +25,9 @@ from typing import Any
 
 from starlette.responses import StreamingResponse
 
+from ..engine import CompletionRequest, CompletionResult
+from ..engine.tokenizer import Tokenizer
 from ..errors import WorkerError
-from ..tokenizer import Tokenizer
-from ..types import CompletionRequest, CompletionResult
 
 log = logging.getLogger("kvcloud.worker.http")
 

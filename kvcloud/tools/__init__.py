@@ -1,0 +1,7 @@
+"""Operator tools around the data path: the ``kvcloud`` command line (:mod:`.cli`), ``verify``
+and ``gc`` (:mod:`.verify`, :mod:`.gc`), ``doctor``, the Prometheus stats exporter and the
+store benchmark (:mod:`.bench`).
+
+They use the core (client, segment, namespace, stores, indexes); nothing in the core imports
+them.
+"""

@@ -1,0 +1,111 @@
+"""The shape of the code: no import circle, no module over ~600 lines, and the module map in
+docs/ARCHITECTURE.md generated from the tree as it is (scripts/architecture.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_LINES = 600
+
+
+@pytest.fixture(scope="module")
+def arch():
+    spec = importlib.util.spec_from_file_location("architecture", ROOT / "scripts/architecture.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["architecture"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_no_import_circle(arch) -> None:
+    """Neither at import time nor through imports inside functions (two modules that import
+    each other are one module split in two files)."""
+    mods = arch.modules()
+    assert mods  # the walk found the packages
+    assert arch.import_cycles(mods, lazy=True) == []
+
+
+def test_the_circle_check_sees_a_circle(arch) -> None:
+    """The check above can fail: a two-module circle, a lazy one, and one through a package's
+    ``__init__`` are each found."""
+    M = arch.Module
+
+    def mod(name: str, top=(), lazy=(), init=False) -> tuple[str, object]:
+        path = Path(name.replace(".", "/")) / "__init__.py" if init else Path(f"{name}.py")
+        return name, M(name, path, 1, "", frozenset(top), frozenset(lazy))
+
+    plain = dict([mod("kvcloud.a", top=["kvcloud.b"]), mod("kvcloud.b", top=["kvcloud.a"])])
+    assert arch.import_cycles(plain) == [["kvcloud.a", "kvcloud.b", "kvcloud.a"]]
+    lazy = dict([mod("kvcloud.a", top=["kvcloud.b"]), mod("kvcloud.b", lazy=["kvcloud.a"])])
+    assert arch.import_cycles(lazy) == []
+    assert arch.import_cycles(lazy, lazy=True) == [["kvcloud.a", "kvcloud.b", "kvcloud.a"]]
+    # kvcloud.p.x imports kvcloud.q, whose module imports kvcloud.p.y: importing kvcloud.p.y
+    # runs kvcloud.p's __init__, which imports kvcloud.p.x
+    via_init = dict(
+        [
+            mod("kvcloud.p", top=["kvcloud.p.x"], init=True),
+            mod("kvcloud.p.x", top=["kvcloud.q"]),
+            mod("kvcloud.p.y"),
+            mod("kvcloud.q", top=["kvcloud.p.y"]),
+        ]
+    )
+    assert arch.import_cycles(via_init)
+    # a package's __init__ importing its own modules is not a circle
+    own = dict([mod("kvcloud.p", top=["kvcloud.p.x"], init=True), mod("kvcloud.p.x")])
+    assert arch.import_cycles(own) == []
+
+
+def _reaches(mods, src: str, prefix: str) -> list[str]:
+    """``src``'s modules that import (at the top or inside a function) one under ``prefix``."""
+    return sorted(
+        f"{m.name} -> {dep}"
+        for m in mods.values()
+        if m.name == src or m.name.startswith(src + ".")
+        for dep in m.imports | m.lazy
+        if dep == prefix or dep.startswith(prefix + ".")
+    )
+
+
+def test_the_core_never_imports_its_tools_or_integrations(arch) -> None:
+    """The data path reads on its own: the operator tools and the engine integrations sit on
+    top of it, and kvcloud never reaches into its own worker."""
+    mods = arch.modules()
+    core = [
+        name
+        for name in mods
+        if name.startswith("kvcloud")
+        and not name.startswith(("kvcloud.tools", "kvcloud.integrations"))
+        and name != "kvcloud"
+    ]
+    assert core
+    offenders = [
+        hit
+        for name in core
+        for prefix in ("kvcloud.tools", "kvcloud.integrations", "workers")
+        for hit in _reaches({name: mods[name]}, name, prefix)
+    ]
+    assert offenders == []
+    assert _reaches(mods, "kvcloud", "workers") == []
+    # and the check sees an import when there is one
+    assert _reaches(mods, "kvcloud.tools", "kvcloud.client")
+
+
+def test_no_module_over_the_limit(arch) -> None:
+    long = {m.name: m.lines for m in arch.modules().values() if m.lines > MAX_LINES}
+    assert long == {}
+
+
+def test_the_module_map_is_up_to_date() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/architecture.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
