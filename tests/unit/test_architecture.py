@@ -96,6 +96,22 @@ def test_the_core_never_imports_its_tools_or_integrations(arch) -> None:
     assert _reaches(mods, "kvcloud.tools", "kvcloud.client")
 
 
+def test_a_benchmark_imports_the_engine_never_the_reverse(arch) -> None:
+    """``workers.bench`` drives the engine; outside it only ``kvcloud-worker``'s command line
+    (the ``bench`` subcommands) imports it. (The engine and the HTTP layer:
+    test_import_isolation.py.)"""
+    mods = arch.modules()
+    assert _reaches(mods, "workers.engine", "workers.bench") == []
+    outside = [
+        hit
+        for name in mods
+        if not name.startswith("workers.bench") and name != "workers.cli"
+        for hit in _reaches({name: mods[name]}, name, "workers.bench")
+    ]
+    assert outside == []
+    assert _reaches(mods, "workers.bench", "workers.engine")
+
+
 def test_no_module_over_the_limit(arch) -> None:
     long = {m.name: m.lines for m in arch.modules().values() if m.lines > MAX_LINES}
     assert long == {}
