@@ -4,19 +4,23 @@ A restore runs beside the forward pass unless the scheduler side put it in the s
 spec says ``sync``: ``load_mode=sync``, or ``auto`` when measured short), so a slow store
 makes no forward pass wait beyond that. ``start_load_kv`` hands each restore to
 a load thread, which pulls every matched object in parallel, each streamed straight into its own
-slice of a staging array in kvcloud's layout and hashed as it lands, and then writes the
-verified chunks into the request's blocks — blocks no forward pass reads until vLLM is told the
-load is over. After each step ``get_finished`` reports the restores that are over: done, or
-past ``load_timeout`` (then abandoned: the thread may finish pulling into staging, but it can
+slice of a staging array in kvcloud's layout and hashed as it lands, and writes each layer of
+each chunk into the request's blocks as soon as that layer is verified — blocks no forward pass
+reads until vLLM is told the load is over (or, in the step, until that layer is written).
+After each step ``get_finished`` reports the restores that are over: done, or past
+``load_timeout`` (then abandoned: the thread may finish pulling into staging, but it can
 no longer touch vLLM's blocks). A chunk that is missing, corrupt, late or unreachable — and
 every chunk after it — is reported through ``get_block_ids_with_load_errors`` in that same
 pass, before the request is ever scheduled, so vLLM recomputes exactly those tokens. For a
-restore in the step, ``start_load_kv`` itself waits (at most ``load_timeout``; four
-``sync_budget_ms`` for one ``auto`` put there) before the forward pass reads it, and its
-failed blocks are reported after that same step (vLLM then discards the step's output for
-the request and recomputes).
-No byte of a chunk reaches vLLM's cache before the chunk is verified (DESIGN §4.3). Nothing
-here raises into vLLM.
+restore in the step, ``start_load_kv`` returns at once and ``wait_for_layer_load(layer)``
+waits until that layer of every such restore is written (at most until its deadline:
+``load_timeout``, or four ``sync_budget_ms`` for one ``auto`` put there), so layer 0 computes
+while later layers are still arriving; a restore past its deadline is abandoned between two
+layer writes, and its failed blocks are reported after that same step (vLLM then discards
+the step's output for the request and recomputes).
+No byte reaches vLLM's cache before it is verified: each layer of a chunk is checked against
+its digest in the header before it is written (DESIGN §4.3); the blocks of a chunk whose later
+layer fails are reported for recompute with it. Nothing here raises into vLLM.
 
 A circuit breaker on the store, and a memory of objects whose pull failed or timed out,
 keep a sick store from costing every request a timeout; both are reported to the scheduler
