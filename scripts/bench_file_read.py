@@ -24,7 +24,7 @@ import numpy as np
 
 from kvcloud import KVCloud
 from kvcloud.tools.bench import BenchLayout
-from kvcloud.tools.bench.layout import _fresh_chain, _random_chunks
+from kvcloud.tools.bench.layout import fresh_chain, random_chunks
 
 
 def main() -> None:
@@ -38,8 +38,8 @@ def main() -> None:
         tempfile.TemporaryDirectory() as tmp,
         KVCloud.open(store=f"file://{tmp}/objects", index=f"sqlite://{tmp}/index.db") as kv,
     ):
-        chain = _fresh_chain(ns, n)
-        data = _random_chunks(ns, n, seed=1)
+        chain = fresh_chain(ns, n)
+        data = random_chunks(ns, n, seed=1)
         kv.push_chunks(ns, [(fp, p, a) for (fp, p), a in zip(chain, data, strict=True)])
         fps = [fp for fp, _ in chain]
         m = kv.lookup_fingerprints(ns, fps)

@@ -37,7 +37,7 @@ import redis
 
 from kvcloud import KVCloud, Namespace
 from kvcloud.indexes import IndexEntry, RedisIndex
-from kvcloud.indexes.redis_layout import _fields
+from kvcloud.indexes.redis_layout import entry_fields
 from kvcloud.segment import content_digest, object_key
 from tests.servers import redis_family_version, start_redis
 
@@ -125,7 +125,7 @@ def measure(flavor: str, mode: str, prompts: int, lookups: int, buckets: int) ->
         stats_before = server_usec(raw)
         rounds = min(prompts, 200)
         for i in range(rounds):
-            fields, _ = _fields([fp.hex() for fp in kvc.fingerprints(NS, tokens[i])])
+            fields, _ = entry_fields([fp.hex() for fp in kvc.fingerprints(NS, tokens[i])])
             items = list(zip(index._buckets(NS.id, fields), fields, strict=True))
             t0 = time.perf_counter()
             index._write_side_effects(items, {})

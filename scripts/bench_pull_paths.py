@@ -21,7 +21,7 @@ import numpy as np
 
 from kvcloud import KVCloud, Namespace
 from kvcloud.tools.bench import local_servers
-from kvcloud.tools.bench.baselines import _plain_client
+from kvcloud.tools.bench.baselines import plain_client
 
 
 def main() -> None:
@@ -50,7 +50,7 @@ def main() -> None:
         pages = [np.empty(ns.kv_shape(c), dtype=np.float16) for _ in range(n)]
         out = np.empty(ns.kv_shape(n * c), dtype=np.float16)
         keys = [ref.entry.object_key for ref in m.chunks]
-        plain = _plain_client(kv.store)
+        plain = plain_client(kv.store)
         with ThreadPoolExecutor(kv.store.max_workers) as pool:
             methods: dict[str, Callable[[], object]] = {
                 "kvcloud → pages": lambda: kv.pull_into(m, pages),

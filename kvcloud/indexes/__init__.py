@@ -36,7 +36,7 @@ def _cluster_module() -> Any:
     return cluster_index
 
 
-def _sqlite_path(netloc: str, path: str) -> str:
+def sqlite_path(netloc: str, path: str) -> str:
     # sqlite:///abs/index.db → "/abs/index.db"; sqlite://rel/index.db → "rel/index.db"
     full = unquote(netloc + path)
     if not full:
@@ -68,7 +68,7 @@ def open_index(
             raise ConfigError(f"index URL {redact_url(url)!r}: {exc}") from None
         if ttl <= 0:
             raise ConfigError(f"index URL {redact_url(url)!r}: ttl must be positive")
-        return SQLiteIndex(_sqlite_path(netloc, path), ttl, busy_timeout=busy_timeout)
+        return SQLiteIndex(sqlite_path(netloc, path), ttl, busy_timeout=busy_timeout)
     if scheme in ("redis", "rediss"):
         return _redis_module().RedisIndex(
             url,

@@ -46,20 +46,20 @@ from ..urls import redact_url
 from .base import DEFAULT_TTL_SECONDS, EntryRecord, Index, IndexEntry, leading_run
 from .deferred import Deferred
 from .redis_layout import (
-    _FP_WIDTH,
-    _MAX_BUCKETS,
     DEFAULT_BUCKETS,
     DEFAULT_PREFIX,
+    FP_WIDTH,
+    MAX_BUCKETS,
     KeyLayout,
-    _expired,
-    _field,
-    _fields,
-    _glob_escape,
-    _pack_key,
-    _pack_value,
-    _record,
-    _text,
-    _unpack_value,
+    as_text,
+    entry_field,
+    entry_fields,
+    entry_record,
+    glob_escape,
+    is_expired,
+    pack_key,
+    pack_value,
+    unpack_value,
 )
 from .redis_scripts import Scripts
 
@@ -179,9 +179,9 @@ class RedisIndex(KeyLayout, Index):
             n_buckets = int(raw_buckets)
         except ValueError:
             raise ConfigError(f"index URL {self.url!r}: buckets must be an integer") from None
-        if not 1 <= n_buckets <= _MAX_BUCKETS or n_buckets & (n_buckets - 1):
+        if not 1 <= n_buckets <= MAX_BUCKETS or n_buckets & (n_buckets - 1):
             raise ConfigError(
-                f"index URL {self.url!r}: buckets must be a power of two from 1 to {_MAX_BUCKETS}"
+                f"index URL {self.url!r}: buckets must be a power of two from 1 to {MAX_BUCKETS}"
             )
         mode = options.pop("field_ttl", field_ttl if field_ttl is not None else "auto").lower()
         if mode not in ("auto", "on", "off"):
@@ -235,13 +235,13 @@ class RedisIndex(KeyLayout, Index):
     ) -> list[bytes | None]:
         """The request path: the raw values of (bucket, field) pairs in one round trip,
         stopping at the first miss when ``walk``; ``packed`` is the fields joined when all
-        are 32 bytes (see _fields). Expired values come back as misses; TTLs are not
+        are 32 bytes (see entry_fields). Expired values come back as misses; TTLs are not
         renewed here (see _write_side_effects)."""
         now = time.time()
         if not self._single_key:
             flag = "1" if walk else "0"
             if packed is not None:
-                args = [repr(now), flag, _FP_WIDTH, packed]
+                args = [repr(now), flag, FP_WIDTH, packed]
             else:
                 args = [repr(now), flag, "0", *fields]
             return self._scripts.run("lookup", buckets, args)
@@ -252,7 +252,7 @@ class RedisIndex(KeyLayout, Index):
             pipe.hget(bucket, field)
         raws: list[bytes | None] = []
         for raw in pipe.execute():
-            if raw is not None and _expired(raw, now):
+            if raw is not None and is_expired(raw, now):
                 raw = None
             if raw is None and walk:
                 break
@@ -319,10 +319,10 @@ class RedisIndex(KeyLayout, Index):
         with self._errors():
             field_ttl = self.uses_field_ttl()
         now = time.time()
-        fields, _ = _fields([fp for fp, _ in entries])
+        fields, _ = entry_fields([fp for fp, _ in entries])
         expires_at = None if field_ttl else now + self.ttl_seconds
         per_entry = [
-            [field, _pack_value(ns, entry, expires_at)]
+            [field, pack_value(ns, entry, expires_at)]
             for field, (_, entry) in zip(fields, entries, strict=True)
         ]
         head = [repr(now), self._ttl_ms, "1" if field_ttl else "0"]
@@ -389,7 +389,7 @@ class RedisIndex(KeyLayout, Index):
             if counters:
                 self._deferred.submit((), counters)
             return []
-        fields, packed = _fields(fps)
+        fields, packed = entry_fields(fps)
         buckets = self._buckets(ns, fields)
         # The request path is this one round trip. The TTL renewal of the hits and the
         # counters go to the background thread, and only once the read succeeded: when it
@@ -408,7 +408,7 @@ class RedisIndex(KeyLayout, Index):
                 found.append(None)
                 continue
             try:
-                entry, expires_at = _unpack_value(ns, raw)
+                entry, expires_at = unpack_value(ns, raw)
             except Exception as exc:  # any garbage value: the index is only a hint
                 log.warning(
                     "redis index: undecodable entry %s:%s treated as a miss: %s", ns, fps[i], exc
@@ -442,8 +442,8 @@ class RedisIndex(KeyLayout, Index):
         return True
 
     def drop(self, ns: str, fp: str, object_key: str | None = None) -> bool:
-        field = _field(fp)
-        expected = b"" if object_key is None else _pack_key(ns, object_key)
+        field = entry_field(fp)
+        expected = b"" if object_key is None else pack_key(ns, object_key)
         (bucket,) = self._buckets(ns, [field])
         with self._errors():
             if self._scripts.run("drop", [bucket], [repr(time.time()), field, expected]):
@@ -472,7 +472,7 @@ class RedisIndex(KeyLayout, Index):
                     if parts is None:
                         continue  # not written by us
                     for field, raw in fields.items():
-                        record = _record(parts[0], field, raw, now, ttls.get((key, field)))
+                        record = entry_record(parts[0], field, raw, now, ttls.get((key, field)))
                         if record is not None:
                             yield record
             yield from self._iter_legacy(legacy)
@@ -514,7 +514,7 @@ class RedisIndex(KeyLayout, Index):
                 try:
                     entry = IndexEntry.unpack(raw)
                 except Exception as exc:
-                    log.warning("redis index: undecodable entry %s skipped: %s", _text(key), exc)
+                    log.warning("redis index: undecodable entry %s skipped: %s", as_text(key), exc)
                     continue
                 expires_at = now + pttl / 1000 if pttl is not None and pttl >= 0 else None
                 yield EntryRecord(ns=parts[0], fp=parts[1], entry=entry, expires_at=expires_at)
@@ -545,7 +545,7 @@ class RedisIndex(KeyLayout, Index):
             return bool(self._client.delete(self._session_key(scope, session_id)))
 
     def iter_sessions(self) -> Iterator[tuple[str, str, bytes]]:
-        pattern = f"{_glob_escape(self.prefix)}:s:*"
+        pattern = f"{glob_escape(self.prefix)}:s:*"
         with self._errors():
             for keys in _batched(self._scan(pattern), _SCAN_COUNT):
                 pipe = self._client.pipeline(transaction=False)
@@ -572,7 +572,7 @@ class RedisIndex(KeyLayout, Index):
         self._deferred.flush(self._flush_timeout)
         with self._errors():
             raw = self._client.hgetall(self._counters_key)
-        return {_text(k): int(v) for k, v in raw.items()}
+        return {as_text(k): int(v) for k, v in raw.items()}
 
     def ping(self) -> float:
         start = time.perf_counter()

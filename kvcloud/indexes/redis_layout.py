@@ -12,7 +12,7 @@ Entries live in small hashes ("buckets"), ``buckets`` per namespace (URL option,
 ``hash-max-listpack-entries`` (128) fields of at most 64 bytes as one flat listpack: about
 115 bytes per entry, where a key per entry costs about 340 (a dictionary entry, an expiry
 entry, the key's and the value's allocations). The binary field (32 bytes) and value (at most
-62 bytes with a standard object key, :func:`_pack_value`) are sized to stay in it.
+62 bytes with a standard object key, :func:`pack_value`) are sized to stay in it.
 
 Expiry, two ways (URL option ``field_ttl``):
 
@@ -52,7 +52,7 @@ DEFAULT_PREFIX = "kvc"
 # entry.
 _DECODE_CACHE_SIZE = 8192
 DEFAULT_BUCKETS = 4096
-_MAX_BUCKETS = 1 << 24
+MAX_BUCKETS = 1 << 24
 
 # The value: format (1), expires_at, created, n_tokens, size, then the object key: a form
 # byte and either the 32-byte digest of a standard key (<ns>/<d[:2]>/<d>[.b3|.b3l]) or the key as
@@ -71,7 +71,7 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEXES = re.compile(r"(?:[0-9a-f]{64})*")
 # A hex fingerprint's field is its 32 raw bytes; any other field has another length.
 _FP_BYTES = 32
-_FP_WIDTH = str(_FP_BYTES)
+FP_WIDTH = str(_FP_BYTES)
 # Bucket names are looked up in a per-namespace table (formatting 128 names per lookup cost
 # as much as the rest of the client side) when there are at most this many buckets...
 _NAME_TABLE_MAX = 1 << 14
@@ -80,7 +80,7 @@ _NAME_TABLE_MAX = 1 << 14
 _NAME_TABLES = 4
 
 
-def _pack_key(ns: str, key: str) -> bytes:
+def pack_key(ns: str, key: str) -> bytes:
     """The object key as stored: 33 bytes for the standard keys of this namespace."""
     head = ns + "/"
     if key.startswith(head):
@@ -103,14 +103,14 @@ def _unpack_key(ns: str, packed: bytes) -> str:
     return f"{ns}/{digest[:2]}/{digest}" + _FORM_SUFFIXES[form]
 
 
-def _pack_value(ns: str, entry: IndexEntry, expires_at: float | None) -> bytes:
+def pack_value(ns: str, entry: IndexEntry, expires_at: float | None) -> bytes:
     """Format 1 with ``expires_at``; format 2 (field TTL: the server keeps the expiry) when it
     is None."""
     if expires_at is None:
         head = _HEAD2.pack(_FORMAT_FIELD_TTL, entry.created, entry.n_tokens, entry.size)
     else:
         head = _HEAD.pack(_FORMAT, expires_at, entry.created, entry.n_tokens, entry.size)
-    return head + _pack_key(ns, entry.object_key)
+    return head + pack_key(ns, entry.object_key)
 
 
 @functools.lru_cache(maxsize=_DECODE_CACHE_SIZE)
@@ -121,7 +121,7 @@ def _unpack_cached(ns: str, body: bytes) -> IndexEntry:
     return IndexEntry(_unpack_key(ns, body[20:]), n_tokens, size, created)
 
 
-def _unpack_value(ns: str, raw: bytes) -> tuple[IndexEntry, float | None]:
+def unpack_value(ns: str, raw: bytes) -> tuple[IndexEntry, float | None]:
     """(entry, expires_at) of a stored value, expires_at None for a field-TTL value (the
     server holds it); ValueError for anything else."""
     if len(raw) > _HEAD.size and raw[0] == _FORMAT:
@@ -131,7 +131,7 @@ def _unpack_value(ns: str, raw: bytes) -> tuple[IndexEntry, float | None]:
     raise ValueError(f"not an index entry value ({len(raw)} bytes)")
 
 
-def _field(fp: str) -> bytes:
+def entry_field(fp: str) -> bytes:
     """The hash field of a fingerprint: its 32 bytes for a (lowercase) hex fingerprint, else
     its UTF-8 followed by 0xff (never in UTF-8), padded so it is never 32 bytes long."""
     if _HEX64.fullmatch(fp):
@@ -140,14 +140,14 @@ def _field(fp: str) -> bytes:
     return raw + b"\xff" if len(raw) == 32 else raw
 
 
-def _fields(fps: list[str]) -> tuple[list[bytes], bytes | None]:
-    """_field of every fp and, when all are hex fingerprints (one fromhex for the lot), those
+def entry_fields(fps: list[str]) -> tuple[list[bytes], bytes | None]:
+    """entry_field of every fp and, when all are hex fingerprints (one fromhex for the lot), those
     32-byte fields joined (None otherwise): what the lookup script takes as one argument."""
     joined = "".join(fps)
     if len(joined) == 64 * len(fps) and _HEXES.fullmatch(joined):
         raw = bytes.fromhex(joined)
         return [raw[i : i + _FP_BYTES] for i in range(0, len(raw), _FP_BYTES)], raw
-    return [_field(fp) for fp in fps], None
+    return [entry_field(fp) for fp in fps], None
 
 
 def _fp_of_field(field: bytes) -> str:
@@ -156,20 +156,20 @@ def _fp_of_field(field: bytes) -> str:
     return field[: field.index(b"\xff")].decode("utf-8")
 
 
-def _expired(raw: bytes, now: float) -> bool:
+def is_expired(raw: bytes, now: float) -> bool:
     """Whether a stored value is a format-1 value whose own expiry has passed (a field-TTL
     value's expiry is the server's business)."""
     return len(raw) > _HEAD.size and raw[0] == _FORMAT and _EXPIRES.unpack_from(raw, 1)[0] <= now
 
 
-def _record(
+def entry_record(
     ns: str, field: bytes, raw: bytes, now: float, field_ttl_ms: int | None = None
 ) -> EntryRecord | None:
     """The EntryRecord of a stored (field, value), None if it does not decode or has expired;
     ``field_ttl_ms`` is the field's HPTTL for a field-TTL value (None: not asked)."""
     try:
         fp = _fp_of_field(field)
-        entry, expires_at = _unpack_value(ns, raw)
+        entry, expires_at = unpack_value(ns, raw)
     except Exception as exc:
         log.warning("redis index: undecodable entry in %s skipped: %s", ns, exc)
         return None
@@ -188,11 +188,11 @@ def _component(value: str) -> str:
     return quote(value, safe="")
 
 
-def _glob_escape(text: str) -> str:
+def glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
-def _text(key: bytes | str) -> str:
+def as_text(key: bytes | str) -> str:
     return key.decode("utf-8") if isinstance(key, bytes) else key
 
 
@@ -250,7 +250,7 @@ class KeyLayout:
         return f"{self.prefix}:s:{_component(scope)}:{_component(session_id)}"
 
     def _split_key(self, key: bytes | str, kind: str) -> tuple[str, str] | None:
-        text = _text(key)
+        text = as_text(key)
         head = f"{self.prefix}:{kind}:"
         if not text.startswith(head):
             return None
@@ -260,8 +260,8 @@ class KeyLayout:
         return unquote(first), unquote(second)
 
     def _patterns(self, ns: str | None) -> tuple[str, str]:
-        scope = "*" if ns is None else _glob_escape(_component(ns)) + ":*"
-        head = _glob_escape(self.prefix)
+        scope = "*" if ns is None else glob_escape(_component(ns)) + ":*"
+        head = glob_escape(self.prefix)
         return f"{head}:h:{scope}", f"{head}:e:{scope}"
 
 

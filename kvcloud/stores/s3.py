@@ -17,8 +17,8 @@ from ..errors import ObjectNotFoundError, StoreError, StoreUnavailableError
 from ..urls import redact_url
 from . import s3_writes
 from .base import Buffer, BufferParts, ObjectInfo, ObjectStore, join_parts, validate_key
-from .s3_config import S3Config, _new_botocore_session
-from .s3_stream import _BodyReader, _BufferBody
+from .s3_config import S3Config, new_botocore_session
+from .s3_stream import BodyReader, BufferBody
 
 # Server-side conditions that mean "try later", not "you asked for something wrong". boto3's
 # standard retry mode already backs off on them; when they survive the retries the store is
@@ -45,7 +45,7 @@ class S3Store(ObjectStore):
     """Objects at ``s3://bucket/{prefix}/{key}``, through one shared (thread-safe) client."""
 
     def __init__(self, config: S3Config) -> None:
-        session = _new_botocore_session()
+        session = new_botocore_session()
         super().__init__(max_workers=config.max_connections)
         self.config = config
         self.url = config.url
@@ -183,7 +183,7 @@ class S3Store(ObjectStore):
 
         s3_key = self._s3_key(key)
         # a file-like view: no copy of the object before it goes on the wire
-        body = data if isinstance(data, bytes) else _BufferBody(data)
+        body = data if isinstance(data, bytes) else BufferBody(data)
         kwargs: dict[str, Any] = {"Bucket": self.config.bucket, "Key": s3_key, "Body": body}
         if conditional:
             kwargs["IfNoneMatch"] = "*"
@@ -287,7 +287,7 @@ class S3Store(ObjectStore):
             raise self._error("get", key, exc) from exc
         except BotoCoreError as exc:
             raise self._error("get", key, exc) from exc
-        return _BodyReader(response["Body"], self, key)
+        return BodyReader(response["Body"], self, key)
 
     def head(self, key: str) -> ObjectInfo | None:
         from botocore.exceptions import BotoCoreError, ClientError

@@ -250,7 +250,7 @@ _loader_lock = threading.Lock()
 _shared_loader: Any = None
 
 
-def _new_botocore_session() -> Any:
+def new_botocore_session() -> Any:
     """A fresh session (so credentials are resolved anew) that reuses parsed API models.
 
     Loading the S3 model costs ~0.1 s per session; stores are opened often enough (one per

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from .s3 import S3Store
 
 
-class _BufferBody(io.RawIOBase):
+class BufferBody(io.RawIOBase):
     """A seekable read-only file over a buffer (botocore sizes and rewinds it for retries)."""
 
     def __init__(self, data: Buffer) -> None:
@@ -46,7 +46,7 @@ class _BufferBody(io.RawIOBase):
         return len(self._mv)
 
 
-class _BodyReader:
+class BodyReader:
     """A GET body as a stream; transport failures mid-read become StoreUnavailableError, and
     the connection goes back to the pool when the block ends.
 
@@ -64,7 +64,7 @@ class _BodyReader:
         self._raw, self._sock = _socket_response(body)
         self._left = self._sock.length if self._sock is not None else 0
 
-    def __enter__(self) -> _BodyReader:
+    def __enter__(self) -> BodyReader:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -284,12 +284,12 @@ def check_index(url: str, cfg: KVCloudConfig) -> Iterator[Check]:
 
 
 def _check_sqlite_path(url: str) -> Iterator[Check]:
-    from ..indexes import _sqlite_path
+    from ..indexes import sqlite_path
     from ..urls import split_url
 
     _scheme, netloc, path, _query = split_url(url)
     try:
-        db = Path(_sqlite_path(netloc, path))
+        db = Path(sqlite_path(netloc, path))
     except KVCloudError as exc:
         yield Check("index", "sqlite path", FAIL, str(exc), "fix the index URL")
         return

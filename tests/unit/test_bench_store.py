@@ -93,17 +93,17 @@ def test_embedded_backends(tmp_path: Path) -> None:
 @pytest.mark.integration
 def test_index_memory_figure(redis_url: str) -> None:
     from kvcloud.indexes import RedisIndex, SQLiteIndex
-    from kvcloud.tools.bench.lookup import _index_memory_bench
+    from kvcloud.tools.bench.lookup import index_memory_bench
 
     ns_id = f"memtest{uuid.uuid4().hex[:8]}"
     with RedisIndex(redis_url) as index:
-        m = _index_memory_bench(index, ns_id, 1500)
+        m = index_memory_bench(index, ns_id, 1500)
         assert m is not None and m["entries"] == 1500 and m["buckets"] == index.buckets
         assert index.count_entries(ns_id) == 1500
         assert m["bytes_per_entry"] == (m["used_memory_after"] - m["used_memory_before"]) / 1500
         for rec in list(index.iter_entries(ns_id)):
             index.drop(ns_id, rec.fp)
-    assert _index_memory_bench(SQLiteIndex(":memory:"), ns_id, 10) is None
+    assert index_memory_bench(SQLiteIndex(":memory:"), ns_id, 10) is None
 
 
 def test_moto_and_redis(moto_server: MotoServer, redis_url: str) -> None:

@@ -224,11 +224,11 @@ def test_pull_into_hands_each_chunk_layer_over_once(tmp_path: Path) -> None:
 def test_redis_entries_store_a_format_3_key_in_33_bytes() -> None:
     """The Redis index packs standard keys as a form byte and the raw digest; a format 3 key
     (``.b3l``) is one of them, and unpacks to itself."""
-    from kvcloud.indexes.redis_layout import _pack_key, _unpack_key
+    from kvcloud.indexes.redis_layout import _unpack_key, pack_key
 
     ns = make_ns()
     _, _, seg = _encoded()
     for digest in (seg.digest, seg.digest[:-1], seg.digest[:-4]):  # .b3l, .b3, SHA-256
         key = f"{ns.id}/{digest[:2]}/{digest}"
-        packed = _pack_key(ns.id, key)
+        packed = pack_key(ns.id, key)
         assert len(packed) == 33 and _unpack_key(ns.id, packed) == key

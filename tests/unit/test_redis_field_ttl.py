@@ -12,7 +12,7 @@ import redis
 
 from kvcloud.errors import ConfigError, IndexBackendError
 from kvcloud.indexes import IndexEntry, RedisIndex
-from kvcloud.indexes.redis_layout import _field
+from kvcloud.indexes.redis_layout import entry_field
 from tests.servers import RedisServer, start_redis
 
 pytestmark = pytest.mark.integration
@@ -61,11 +61,11 @@ def client(url: str) -> Iterator[redis.Redis]:
 
 
 def bucket(idx: RedisIndex, fp_hex: str) -> str:
-    return idx._buckets(NS, [_field(fp_hex)])[0]
+    return idx._buckets(NS, [entry_field(fp_hex)])[0]
 
 
 def field_ttl_ms(client: redis.Redis, idx: RedisIndex, fp_hex: str) -> int:
-    (ms,) = client.execute_command("HPTTL", bucket(idx, fp_hex), "FIELDS", 1, _field(fp_hex))
+    (ms,) = client.execute_command("HPTTL", bucket(idx, fp_hex), "FIELDS", 1, entry_field(fp_hex))
     return int(ms)
 
 
@@ -73,7 +73,7 @@ def test_entries_carry_their_own_field_ttl(url: str, client: redis.Redis) -> Non
     with RedisIndex(forced(url), ttl_seconds=100) as idx:
         assert idx.register(NS, hfp(1), entry(1))
         assert idx.uses_field_ttl()
-        raw = client.hget(bucket(idx, hfp(1)), _field(hfp(1)))
+        raw = client.hget(bucket(idx, hfp(1)), entry_field(hfp(1)))
         assert raw is not None and raw[0] == 2  # format 2: no expiry inside the value
         assert 99_000 < field_ttl_ms(client, idx, hfp(1)) <= 100_000
         # the bucket keeps a TTL too, at least its entries': volatile-lru can evict it
@@ -100,7 +100,7 @@ def test_the_server_expires_entries_and_empty_buckets(url: str, client: redis.Re
 def test_a_hit_renews_its_field_ttl_once_per_interval(url: str, client: redis.Redis) -> None:
     with RedisIndex(forced(url), ttl_seconds=100) as idx:
         idx.register(NS, hfp(1), entry(1))
-        key, field = bucket(idx, hfp(1)), _field(hfp(1))
+        key, field = bucket(idx, hfp(1)), entry_field(hfp(1))
         client.execute_command("HPEXPIRE", key, 50_000, "FIELDS", 1, field)
         assert idx.lookup(NS, [hfp(1)]) == [entry(1)]
         assert idx.flush(5.0)
@@ -119,7 +119,7 @@ def test_a_late_renewal_does_not_resurrect_a_deleted_entry(url: str, client: red
         assert idx.lookup(NS, [hfp(1), hfp(2)]) == [entry(1), entry(2)]
         # deleted while the renewals are still queued: by drop (gc's path) and behind our back
         assert idx.drop(NS, hfp(1), object_key=entry(1).object_key)
-        assert client.hdel(bucket(idx, hfp(2)), _field(hfp(2))) == 1
+        assert client.hdel(bucket(idx, hfp(2)), entry_field(hfp(2))) == 1
         assert idx.flush(5.0)
         assert idx.lookup(NS, [hfp(1), hfp(2)]) == [None, None]
         assert field_ttl_ms(client, idx, hfp(1)) == -2  # no such field
@@ -138,8 +138,8 @@ def test_both_layouts_share_a_bucket(url: str, client: redis.Redis) -> None:
         assert not old.uses_field_ttl()
         assert new.register(NS, hfp(2), entry(2))
         key = bucket(new, hfp(2))
-        assert client.hget(key, _field(hfp(1)))[0] == 1
-        assert client.hget(key, _field(hfp(2)))[0] == 2
+        assert client.hget(key, entry_field(hfp(1)))[0] == 1
+        assert client.hget(key, entry_field(hfp(2)))[0] == 2
         assert client.pttl(key) > 99_000  # raised for the field-TTL entry
         # (a hit slides its TTL, whichever layout: only the 1 s writer looks them up here)
         assert old.lookup(NS, [hfp(1), hfp(2)]) == [entry(1), entry(2)]
@@ -163,7 +163,7 @@ def test_auto_picks_field_ttl_on_redis_only(flavor: str, url: str) -> None:
 def test_field_ttl_off_keeps_value_expiry(url: str, client: redis.Redis) -> None:
     with RedisIndex(url + "?field_ttl=off", ttl_seconds=100) as idx:
         idx.register(NS, hfp(1), entry(1))
-        assert client.hget(bucket(idx, hfp(1)), _field(hfp(1)))[0] == 1
+        assert client.hget(bucket(idx, hfp(1)), entry_field(hfp(1)))[0] == 1
         assert field_ttl_ms(client, idx, hfp(1)) == -1
         assert client.pttl(bucket(idx, hfp(1))) > 99_000
 

@@ -20,7 +20,7 @@ import redis.connection
 from kvcloud.errors import ConfigError, IndexUnavailableError
 from kvcloud.indexes import IndexEntry, RedisIndex, open_index, redis_layout
 from kvcloud.indexes.deferred import Deferred
-from kvcloud.indexes.redis_layout import _field
+from kvcloud.indexes.redis_layout import entry_field
 from tests.servers import RedisServer, free_port, start_redis
 
 pytestmark = pytest.mark.integration
@@ -105,12 +105,12 @@ def _delta(before: dict[str, int], after: dict[str, int], command: str) -> int:
 
 
 def _bucket(idx: RedisIndex, ns: str, fp_hex: str) -> str:
-    return idx._buckets(ns, [_field(fp_hex)])[0]
+    return idx._buckets(ns, [entry_field(fp_hex)])[0]
 
 
 def _expires_at(client: redis.Redis, idx: RedisIndex, ns: str, fp_hex: str) -> float | None:
     """The expiry stored in an entry's value (None when the field is absent)."""
-    raw = client.hget(_bucket(idx, ns, fp_hex), _field(fp_hex))
+    raw = client.hget(_bucket(idx, ns, fp_hex), entry_field(fp_hex))
     return None if raw is None else struct.unpack_from("<d", raw, 1)[0]
 
 
@@ -286,7 +286,7 @@ def test_late_renewal_does_not_resurrect_a_deleted_entry(redis_url: str) -> None
     # Deleted while the renewals are still queued: by drop (gc's path) and behind our back.
     assert idx.drop(NS, hfp(1), object_key=entry(1).object_key)
     client = redis.Redis.from_url(redis_url)
-    assert client.hdel(_bucket(idx, NS, hfp(2)), _field(hfp(2))) == 1
+    assert client.hdel(_bucket(idx, NS, hfp(2)), entry_field(hfp(2))) == 1
     assert idx.flush(5.0)
     assert _expires_at(client, idx, NS, hfp(1)) is None
     assert _expires_at(client, idx, NS, hfp(2)) is None
@@ -305,7 +305,7 @@ def test_expired_fields_are_swept_from_a_busy_bucket(redis_url: str) -> None:
         short.register_many(NS, [(hfp(i), entry(i)) for i in range(20)])
     time.sleep(1.1)
     with RedisIndex(redis_url + "?buckets=1") as idx:
-        (bucket,) = idx._buckets(NS, [_field(hfp(0))])
+        (bucket,) = idx._buckets(NS, [entry_field(hfp(0))])
         assert client.hlen(bucket) == 21
         assert idx.lookup(NS, [hfp(0)]) == [None]  # expired: invisible at once
         assert idx.count_entries(NS) == 1
@@ -329,7 +329,7 @@ def test_standard_entries_stay_in_compact_listpacks(redis_url: str) -> None:
     ]
     with RedisIndex(redis_url + "?buckets=1") as idx:
         assert all(idx.register_many(ns, entries))
-        (bucket,) = idx._buckets(ns, [_field(hfp(0))])
+        (bucket,) = idx._buckets(ns, [entry_field(hfp(0))])
         assert client.object("encoding", bucket) == b"listpack"
         assert max(len(v) for v in client.hvals(bucket)) <= 62
         assert idx.lookup(ns, [fp_hex for fp_hex, _ in entries]) == [e for _, e in entries]
@@ -479,7 +479,7 @@ def test_key_schema_has_no_hash_tags(redis_url: str) -> None:
 def test_undecodable_entry_is_a_miss(redis_url: str) -> None:
     idx = RedisIndex(redis_url)
     client = redis.Redis.from_url(redis_url)
-    client.hset(_bucket(idx, NS, fp(1)), _field(fp(1)), b"\xc1 not an entry")
+    client.hset(_bucket(idx, NS, fp(1)), entry_field(fp(1)), b"\xc1 not an entry")
     client.close()
     assert idx.lookup(NS, [fp(1)]) == [None]
     assert idx.lookup_run(NS, [fp(1)]) == []

@@ -36,11 +36,11 @@ from ..errors import (
     ContextLengthError,
 )
 from .costmodel import CostModel
-from .kvpages import PagesMixin, Slot, _Acquired
+from .kvpages import Acquired, PagesMixin, Slot
 from .metrics import Metrics, TimedPushes
 from .model import Decoder, preset, sample
 from .pages import PagePool, PrefixCache, SeqPages
-from .sessions import LocalSession, SessionsMixin, _common_prefix
+from .sessions import LocalSession, SessionsMixin, common_prefix
 from .tokenizer import ByteTokenizer, Tokenizer
 from .types import CompletionRequest, CompletionResult
 from .uploader import Uploader
@@ -274,15 +274,15 @@ class Engine(SessionsMixin, PagesMixin):
             sess.busy = True
             # a chat turn re-renders the conversation: the session's KV serves only as far
             # as the new input agrees with the stored history (usually up to the last reply)
-            kept = sess.kv_len if conversation is None else _common_prefix(sess.tokens, tokens)
+            kept = sess.kv_len if conversation is None else common_prefix(sess.tokens, tokens)
             kept = min(kept, sess.kv_len)
-            acq = _Acquired(slots=sess.slots, cached=kept, local=0, remote=0)
+            acq = Acquired(slots=sess.slots, cached=kept, local=0, remote=0)
             # KV restored for this request counts as remote, resident KV as local
             acq.local = sess.kv_len - remote if not (local or remote) else local
             acq.remote = remote
             sess.slots, sess.kv_len = [], 0
         else:
-            acq = _Acquired(slots=[], cached=0)
+            acq = Acquired(slots=[], cached=0)
         try:
             if acq.cached % self.c == 0:
                 self._extend_with_chunks(acq, fps, tenant)
@@ -306,7 +306,7 @@ class Engine(SessionsMixin, PagesMixin):
         req: CompletionRequest,
         tokens: list[int],
         fps: list[bytes],
-        acq: _Acquired,
+        acq: Acquired,
         t0: float,
         sess: LocalSession | None,
     ) -> CompletionResult:

@@ -38,7 +38,7 @@ class Slot:
 
 
 @dataclass
-class _Acquired:
+class Acquired:
     slots: list[Slot]
     cached: int
     local: int = 0
@@ -174,7 +174,7 @@ class PagesMixin:
     # -- prefix acquisition -----------------------------------------------------------------
 
     def _extend_with_chunks(
-        self, acq: _Acquired, fps: list[bytes], tenant: str, *, costed: bool = True
+        self, acq: Acquired, fps: list[bytes], tenant: str, *, costed: bool = True
     ) -> None:
         """Append full chunks after acq.cached (chunk-aligned): local pages, then kvcloud."""
         i = acq.cached // self.c
@@ -216,7 +216,7 @@ class PagesMixin:
             self.metrics.fallbacks.inc(attempted - ok)
 
     def _pull_new_pages(
-        self, acq: _Acquired, m: Any, chunks: Sequence[Any]
+        self, acq: Acquired, m: Any, chunks: Sequence[Any]
     ) -> tuple[int, int, int, float]:
         """Pull consecutive matched chunks that continue ``acq`` into newly allocated pages,
         as many as the pool can give; share each valid page through the prefix cache (kept

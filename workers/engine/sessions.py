@@ -43,7 +43,7 @@ from ..errors import (
     SessionUnknownError,
     StoreUnavailableError,
 )
-from .kvpages import Slot, _Acquired
+from .kvpages import Acquired, Slot
 from .types import FlushResult, SessionInfo
 
 log = logging.getLogger("kvcloud.worker")
@@ -98,7 +98,7 @@ class SessionsMixin:
             messages=_messages_from(rec.meta),
             revision=_revision(rec),
         )
-        acq = _Acquired(slots=[], cached=0)
+        acq = Acquired(slots=[], cached=0)
         n_full = rec.kv_tokens // self.c
         fps = self._fps(sess.tokens[: n_full * self.c], tenant)
         # local pages first, then the index. A session's own history is always pulled, even
@@ -415,7 +415,7 @@ def _revision(rec: SessionRecord) -> str:
     return rec.revision or f"updated:{rec.updated!r}"
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:

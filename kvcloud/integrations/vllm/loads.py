@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.kvcloud")
 
-_TORCH_DTYPES = {
+TORCH_DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
@@ -70,7 +70,7 @@ _TORCH_DTYPES = {
 
 
 @dataclass
-class _Load:
+class Load:
     spec: LoadSpec
     staging: torch.Tensor  # [chunks, layers, 2, chunk_tokens, heads, dim]
     deadline: float
@@ -137,12 +137,12 @@ class Restores:
     def __init__(self, cfg: VLLMConnectorConfig, clock: Any) -> None:
         self._clock = clock
         self._pool = cf.ThreadPoolExecutor(cfg.load_threads, thread_name_prefix="kvcloud-load")
-        self._loads: dict[str, _Load] = {}  # by request id, until reported finished
+        self._loads: dict[str, Load] = {}  # by request id, until reported finished
         # restores the forward pass of this step reads (load_mode=sync, or auto when short):
         # it waits for each layer (wait_for_layer_load); they are settled after the pass
-        self._stepping: list[_Load] = []
+        self._stepping: list[Load] = []
         self._kept: torch.Tensor | None = None  # staging reused across restores
-        self._kept_users: list[_Load] = []
+        self._kept_users: list[Load] = []
         self._failed_blocks: set[int] = set()
         self.store_breaker = cfg.breaker("store", clock, self._breaker_changed)
         self._bad_objects: dict[str, float] = {}  # object key -> until (clock)
@@ -203,7 +203,7 @@ class Restores:
         """Room for ``n_chunks`` pulled chunks: the kept buffer when it is free and big
         enough (an abandoned pull may still be writing into it), else fresh memory."""
         shape = (n_chunks, *self._chunk_shape)
-        dtype = _TORCH_DTYPES[self.ns.dtype]
+        dtype = TORCH_DTYPES[self.ns.dtype]
         free = all(load.future is None or load.future.done() for load in self._kept_users)
         if free:
             self._kept_users = []
@@ -216,7 +216,7 @@ class Restores:
                 return self._kept
         return self.streams.host_empty(shape, dtype)
 
-    def _restore(self, load: _Load) -> int:
+    def _restore(self, load: Load) -> int:
         """On a load thread: pull and verify into staging, then write into vLLM's blocks
         unless the restore was abandoned meanwhile. Returns the chunks written."""
         spec = load.spec
@@ -238,7 +238,7 @@ class Restores:
                     moved.bytes += load.pulled
                     moved.seconds += load.ended - started
 
-    def _pull_and_write(self, load: _Load, m: Match) -> int:
+    def _pull_and_write(self, load: Load, m: Match) -> int:
         """Pull the chunks; each layer of each chunk is written into its blocks as soon as it
         is verified (object format 3 verifies layer by layer), so the forward pass of a
         restore in the step can run layer l while later layers are still in flight."""
@@ -301,7 +301,7 @@ class Restores:
         return 0 if abandoned else res.chunks
 
     def _write_layer(
-        self, load: _Load, name: str, i: int, layer: int, spans: list[tuple[int, int, Blocks]]
+        self, load: Load, name: str, i: int, layer: int, spans: list[tuple[int, int, Blocks]]
     ) -> None:
         """One verified layer of chunk ``i`` into its blocks: one ``index_copy_`` per span of
         blocks (one per chunk, as a rule), whatever the blocks' order in the cache."""
@@ -311,7 +311,7 @@ class Restores:
         for a, b, ids in spans:
             layout.scatter(cache, ids, kv[:, a * bs : b * bs])
 
-    def _outcome(self, load: _Load, now: float) -> int | None:
+    def _outcome(self, load: Load, now: float) -> int | None:
         """Chunks written for a finished restore; None while it is still running."""
         future = load.future
         if future is None:
@@ -338,7 +338,7 @@ class Restores:
             log.warning("kvcloud restore of %s failed: %s: recomputing", load.spec.req_id, exc)
             return 0
 
-    def _settle(self, load: _Load, ok: int) -> None:
+    def _settle(self, load: Load, ok: int) -> None:
         """Count a finished restore and note the blocks of its chunks past ``ok`` as failed."""
         chunks = load.spec.chunks
         real = [[b for b in ch.block_ids if b >= 0 and b != NULL_BLOCK] for ch in chunks]

@@ -35,7 +35,7 @@ from .._torch import to_numpy
 from .config import VLLMConnectorConfig
 from .device import Streams
 from .layout import BlockLayout, block_index, learn_layout
-from .loads import _TORCH_DTYPES, Restores, _Load
+from .loads import TORCH_DTYPES, Load, Restores
 from .shard import Shard, shard_of
 from .specs import NULL_BLOCK, KVCloudWorkerMeta, SaveSpec
 from .uploader import Uploader
@@ -136,7 +136,7 @@ class WorkerSide(Restores):
         self.streams = Streams("cpu")
         self._buffers = _BufferPool(
             self._chunk_shape,
-            _TORCH_DTYPES[ns.dtype],
+            TORCH_DTYPES[ns.dtype],
             cfg.upload_queue,
             alloc=lambda shape, dtype: self.streams.host_empty(shape, dtype),
         )
@@ -158,7 +158,7 @@ class WorkerSide(Restores):
                 f"vLLM registered {len(names)} KV cache layers; the model config says "
                 f"{self.num_layers} for this rank"
             )
-        want = _TORCH_DTYPES[self.ns.dtype]
+        want = TORCH_DTYPES[self.ns.dtype]
         context = self.vllm_config.compilation_config.static_forward_context
         num_blocks = int(self.kv_cache_config.num_blocks)
         learned: dict[tuple[Any, ...], BlockLayout] = {}
@@ -199,7 +199,7 @@ class WorkerSide(Restores):
         specs = [spec for spec in meta.loads if spec.chunks]
         for spec in meta.loads:
             if not spec.chunks:  # nothing to pull (cannot happen from our scheduler side)
-                self._loads[spec.req_id] = _Load(spec, torch.empty(0), 0.0)
+                self._loads[spec.req_id] = Load(spec, torch.empty(0), 0.0)
         if not specs:
             return
         buf = self._staging(sum(len(spec.chunks) for spec in specs))
@@ -211,7 +211,7 @@ class WorkerSide(Restores):
             # object streams straight in and is hashed as it lands
             staging = buf[first : first + len(spec.chunks)]
             first += len(spec.chunks)
-            load = _Load(spec, staging, self._clock() + self._timeout(spec), after=handed_over)
+            load = Load(spec, staging, self._clock() + self._timeout(spec), after=handed_over)
             load.written = [0] * self.num_layers
             if self._in_step_load(spec):
                 self._stepping.append(load)

@@ -10,7 +10,7 @@ from ...stores.s3 import S3Store
 from .layout import BenchError
 
 
-class _Plain:
+class Plain:
     """What a user writes by hand: put/get whole objects by key, nothing else."""
 
     method_put = ""
@@ -29,7 +29,7 @@ class _Plain:
         pass
 
 
-class _PlainS3(_Plain):
+class _PlainS3(Plain):
     method_put = "boto3 put_object"
     method_get = "boto3 get_object"
 
@@ -67,7 +67,7 @@ class _PlainS3(_Plain):
         self.client.close()
 
 
-class _PlainFile(_Plain):
+class _PlainFile(Plain):
     method_put = "file open().write"
     method_get = "file open().read"
 
@@ -87,7 +87,7 @@ class _PlainFile(_Plain):
             return f.read()
 
 
-def _plain_client(store: ObjectStore) -> _Plain:
+def plain_client(store: ObjectStore) -> Plain:
     if isinstance(store, S3Store):
         return _PlainS3(store)
     if isinstance(store, FileStore):

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 
-def _throughput(nbytes: int, seconds: Sequence[float]) -> dict[str, Any]:
+def throughput_figures(nbytes: int, seconds: Sequence[float]) -> dict[str, Any]:
     best, median = min(seconds), statistics.median(seconds)
     return {
         "seconds": list(seconds),
@@ -20,7 +20,7 @@ def _throughput(nbytes: int, seconds: Sequence[float]) -> dict[str, Any]:
     }
 
 
-def _pair(kvcloud: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
+def pair_figures(kvcloud: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
     return {
         "kvcloud": kvcloud,
         "baseline": baseline,
@@ -29,7 +29,7 @@ def _pair(kvcloud: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _latency(samples_s: Sequence[float]) -> dict[str, float]:
+def latency_figures(samples_s: Sequence[float]) -> dict[str, float]:
     ms = np.asarray(samples_s, dtype=np.float64) * 1e3
     return {
         "p50_ms": float(np.percentile(ms, 50)),

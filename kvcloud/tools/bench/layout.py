@@ -78,7 +78,7 @@ class BenchLayout:
 # --- data ----------------------------------------------------------------------------------------
 
 
-def _random_chunks(ns: Namespace, n: int, seed: int | None) -> list[np.ndarray]:
+def random_chunks(ns: Namespace, n: int, seed: int | None) -> list[np.ndarray]:
     """n contiguous chunks (like worker pages) of random bits viewed as the cache dtype."""
     rng = np.random.default_rng(seed)
     storage = np.dtype(ns.dtype_info.storage)
@@ -86,7 +86,7 @@ def _random_chunks(ns: Namespace, n: int, seed: int | None) -> list[np.ndarray]:
     return [raw[i].view(storage).reshape(ns.kv_shape(ns.chunk_tokens)) for i in range(n)]
 
 
-def _fresh_chain(ns: Namespace, n: int) -> list[tuple[bytes, bytes]]:
+def fresh_chain(ns: Namespace, n: int) -> list[tuple[bytes, bytes]]:
     """n (fp, parent) pairs chained from the namespace digest; random, so never seen before."""
     fps = [secrets.token_bytes(32) for _ in range(n)]
     return list(zip(fps, [ns.digest, *fps[:-1]], strict=True))

@@ -15,11 +15,11 @@ from ...client import KVCloud
 from ...indexes.base import Index, IndexEntry
 from ...namespace import Namespace
 from ...segment import content_digest, object_key
-from .figures import _latency
+from .figures import latency_figures
 from .layout import BenchError
 
 
-def _lookup_bench(kv: KVCloud, ns: Namespace, n_chunks: int, iters: int) -> dict[str, Any]:
+def lookup_bench(kv: KVCloud, ns: Namespace, n_chunks: int, iters: int) -> dict[str, Any]:
     """Latency of a lookup of an n-chunk prompt (all hits) next to one ping, interleaved.
 
     ``kvcloud`` is what a request pays: ``KVCloud.lookup`` from token ids (fingerprints, the
@@ -61,7 +61,7 @@ def _lookup_bench(kv: KVCloud, ns: Namespace, n_chunks: int, iters: int) -> dict
             dt = time.perf_counter() - t0
             if it >= warm:
                 samples[name].append(dt)
-    figures = {name: _latency(s) for name, s in samples.items()}
+    figures = {name: latency_figures(s) for name, s in samples.items()}
     figures["kvcloud"]["method"] = "KVCloud.lookup (token ids)"
     figures["fingerprints"]["method"] = "KVCloud.fingerprints"
     figures["index_lookup_run"]["method"] = f"{type(index).__name__}.lookup_run"
@@ -77,7 +77,7 @@ def _lookup_bench(kv: KVCloud, ns: Namespace, n_chunks: int, iters: int) -> dict
     }
 
 
-def _index_memory_bench(index: Index, ns_id: str, n: int) -> dict[str, Any] | None:
+def index_memory_bench(index: Index, ns_id: str, n: int) -> dict[str, Any] | None:
     """Redis memory per entry: register n entries (standard object keys, as a worker
     writes them) under namespace ``ns_id`` in batches of 1,000 and divide the INFO
     used_memory delta by n. Only on a redis-server the bench started itself, which nothing

@@ -16,12 +16,12 @@ from ...client import KVCloud
 from ...namespace import Namespace
 from ...segment import encode_segment
 from ...stores.base import ObjectStore
-from .baselines import _Plain
-from .layout import BENCH_ENC_TENANT, BenchError, _fresh_chain
+from .baselines import Plain
+from .layout import BENCH_ENC_TENANT, BenchError, fresh_chain
 
 
 @dataclass
-class _Round:
+class Round:
     push_kvcloud: float
     push_plain: float
     # one time per pull pass
@@ -42,10 +42,10 @@ class _Round:
         return list(value) if isinstance(value, list) else [value]
 
 
-def _round(
+def run_round(
     kv: KVCloud,
     ns: Namespace,
-    plain: _Plain,
+    plain: Plain,
     pool: ThreadPoolExecutor,
     data: Sequence[np.ndarray],
     pages: np.ndarray,
@@ -56,13 +56,13 @@ def _round(
     keep: bool,
     encrypt: bool = False,
     pull_passes: int = 1,
-) -> _Round:
+) -> Round:
     """One push + pull of ``data`` by kvcloud and by the plain client, same bytes (and, with
     ``encrypt``, by kvcloud for an encrypting tenant, under fresh fingerprints). The pulls
     run ``pull_passes`` times, the order rotating each pass so that every method takes every
     place in it once per len(methods) passes."""
     n = len(data)
-    chain = _fresh_chain(ns, n)
+    chain = fresh_chain(ns, n)
     items = [(fp, parent, kv_) for (fp, parent), kv_ in zip(chain, data, strict=True)]
     # The exact bytes kvcloud will store (encoding is deterministic), prepared off the clock:
     # the plain client starts from bytes, kvcloud from the arrays — that difference is
@@ -92,7 +92,7 @@ def _round(
         return time.perf_counter() - t0
 
     # encrypted: the same arrays under a chain of their own (so every object is fresh)
-    enc_chain = _fresh_chain(ns, n) if encrypt else []
+    enc_chain = fresh_chain(ns, n) if encrypt else []
     enc_items = [(fp, parent, kv_) for (fp, parent), kv_ in zip(enc_chain, data, strict=False)]
     enc_fps = [fp for fp, _ in enc_chain]
     enc_keys: list[str] = []
@@ -197,7 +197,7 @@ def _round(
                 check(dest_of[f.__name__])
     check("pages")
     check("out")
-    result = _Round(
+    result = Round(
         t_push_kv,
         t_push_plain,
         timed["pull_kvcloud"],
@@ -211,13 +211,13 @@ def _round(
     )
     if not keep:
         # Keep the server's state (and memory, for moto) the same size round after round.
-        result.objects_deleted = _delete_objects(kv.store, pool, [*kv_keys, *plain_keys, *enc_keys])
+        result.objects_deleted = delete_objects(kv.store, pool, [*kv_keys, *plain_keys, *enc_keys])
         result.entries_dropped = sum(
             bool(kv.index.drop(ns.id, fp.hex())) for fp in [*fps, *enc_fps]
         )
     return result
 
 
-def _delete_objects(store: ObjectStore, pool: ThreadPoolExecutor, keys: Sequence[str]) -> int:
+def delete_objects(store: ObjectStore, pool: ThreadPoolExecutor, keys: Sequence[str]) -> int:
     list(pool.map(store.delete, keys))
     return len(keys)

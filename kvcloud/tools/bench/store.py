@@ -27,11 +27,11 @@ from ...errors import KVCloudError
 from ...namespace import Namespace
 from ...stores.file import FileStore
 from ...urls import redact_url
-from .baselines import _Plain, _plain_client
-from .figures import _pair, _throughput
-from .layout import BENCH_ENC_TENANT, BenchError, BenchLayout, _random_chunks
-from .lookup import _index_memory_bench, _lookup_bench
-from .rounds import _delete_objects, _Round, _round
+from .baselines import Plain, plain_client
+from .figures import pair_figures, throughput_figures
+from .layout import BENCH_ENC_TENANT, BenchError, BenchLayout, random_chunks
+from .lookup import index_memory_bench, lookup_bench
+from .rounds import Round, delete_objects, run_round
 from .servers import local_servers
 
 JSON_VERSION = 1
@@ -132,18 +132,18 @@ def _run(
         # the unencrypted figures into encrypted ones
         encrypt_tenants=BENCH_ENC_TENANT if encrypt else "",
     )
-    plain: _Plain | None = None
+    plain: Plain | None = None
     pool: ThreadPoolExecutor | None = None
     cleanup: dict[str, Any] = {"kept": keep}
-    done: list[_Round] = []  # every round run, warm-up included, for the cleanup counts
+    done: list[Round] = []  # every round run, warm-up included, for the cleanup counts
     try:
-        plain = _plain_client(kv.store)
+        plain = plain_client(kv.store)
         workers = kv.store.max_workers  # what the store really got (an s3 URL may override)
         if workers != requested:
             say(f"the store URL sets {workers} connections; using {workers}, not {requested}")
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvcloud-bench")
         say(f"generating {chunks} chunks of {ns.chunk_bytes:,} bytes")
-        data = _random_chunks(ns, chunks, seed)
+        data = random_chunks(ns, chunks, seed)
         # Destinations of the pulls, allocated and touched once, off the clock: pages like
         # the worker's cache, and one token-major array like pull(out=...) callers use.
         storage = ns.dtype_info.storage
@@ -159,7 +159,7 @@ def _run(
         warm = min(chunks, 2 * workers)
         say(f"warm-up round ({warm} chunks)")
         done.append(
-            _round(
+            run_round(
                 kv,
                 ns,
                 plain,
@@ -173,12 +173,12 @@ def _run(
                 encrypt=encrypt,
             )
         )
-        rounds: list[_Round] = []
+        rounds: list[Round] = []
         for r in range(repeat):
             say(f"round {r + 1}/{repeat}: push and pull {chunks} chunks, kvcloud and plain")
             # alternate who goes first, so neither side always meets the warmer server
             rounds.append(
-                _round(
+                run_round(
                     kv,
                     ns,
                     plain,
@@ -199,16 +199,16 @@ def _run(
         def times(attr: str) -> list[float]:
             return [t for x in rounds for t in x.times(attr)]
 
-        push = _pair(
-            _throughput(nbytes, times("push_kvcloud")),
-            _throughput(nbytes, times("push_plain")),
+        push = pair_figures(
+            throughput_figures(nbytes, times("push_kvcloud")),
+            throughput_figures(nbytes, times("push_plain")),
         )
-        pull = _pair(
-            _throughput(nbytes, times("pull_kvcloud")),
-            _throughput(nbytes, times("pull_plain")),
+        pull = pair_figures(
+            throughput_figures(nbytes, times("pull_kvcloud")),
+            throughput_figures(nbytes, times("pull_plain")),
         )
-        pull_array = _pair(
-            _throughput(nbytes, times("pull_array")),
+        pull_array = pair_figures(
+            throughput_figures(nbytes, times("pull_array")),
             pull["baseline"],
         )
         push["kvcloud"]["method"] = "KVCloud.push_chunks"
@@ -231,20 +231,20 @@ def _run(
                 ("pull", "pull_encrypted", pull),
                 ("pull_array", "pull_array_encrypted", pull_array),
             ):
-                figures = _throughput(nbytes, times(attr))
+                figures = throughput_figures(nbytes, times(attr))
                 figures["method"] = f"{plain_pair['kvcloud']['method']}, encrypted"
                 # the overhead: encrypted vs unencrypted kvcloud, same run, same rounds
-                encryption[op] = _pair(figures, plain_pair["kvcloud"])
-                encryption[f"{op}_vs_baseline"] = _pair(figures, plain_pair["baseline"])
+                encryption[op] = pair_figures(figures, plain_pair["kvcloud"])
+                encryption[f"{op}_vs_baseline"] = pair_figures(figures, plain_pair["baseline"])
                 encryption[f"{op}_overhead_pct"] = (1 / encryption[op]["ratio_median"] - 1) * 100
 
         say(f"index lookup: {lookup_chunks}-chunk prompt × {lookup_iters} vs ping")
-        lookup = _lookup_bench(kv, ns, lookup_chunks, lookup_iters)
+        lookup = lookup_bench(kv, ns, lookup_chunks, lookup_iters)
         memory = None
         if servers:
             say("index memory: 100,000 entries")
             # a namespace of its own: _clean need not drop them one by one (the server goes)
-            memory = _index_memory_bench(kv.index, f"{ns.id}-memory", 100_000)
+            memory = index_memory_bench(kv.index, f"{ns.id}-memory", 100_000)
 
         result: dict[str, Any] = {
             "bench": "store",
@@ -324,7 +324,7 @@ def _clean(kv: KVCloud, ns: Namespace) -> dict[str, int]:
     store, index = kv.store, kv.index
     keys = [info.key for info in store.list(f"{ns.id}/")]
     with ThreadPoolExecutor(max_workers=store.max_workers) as pool:
-        _delete_objects(store, pool, keys)
+        delete_objects(store, pool, keys)
     if isinstance(store, FileStore):
         # The namespace directory is the bench's alone (random revision), so unlike a
         # FileStore.delete, removing its empty directories cannot race with anyone.
