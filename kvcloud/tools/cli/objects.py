@@ -13,11 +13,25 @@ from rich.console import Console
 from rich.table import Table
 
 from ...errors import CorruptObjectError, KVCloudError, ObjectNotFoundError
+from ...indexes.base import EntryRecord
 from ...segment import digest_from_key, digest_matches, read_header
 from ...stores.base import ObjectStore
 from .common import add_backend_args, emit_json, human_bytes, open_backend_index, open_backend_store
 
 _FP_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _entry_json(r: EntryRecord) -> dict[str, Any]:
+    """An index entry as ``ls --json`` and ``inspect --json`` print it."""
+    return {
+        "ns": r.ns,
+        "fp": r.fp,
+        "object_key": r.entry.object_key,
+        "tokens": r.entry.n_tokens,
+        "size": r.entry.size,
+        "created": r.entry.created,
+        "expires_at": r.expires_at,
+    }
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -29,20 +43,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 break
     rows.sort(key=lambda r: (r.ns, -r.entry.created))
     if args.json:
-        emit_json(
-            [
-                {
-                    "ns": r.ns,
-                    "fp": r.fp,
-                    "object_key": r.entry.object_key,
-                    "tokens": r.entry.n_tokens,
-                    "size": r.entry.size,
-                    "created": r.entry.created,
-                    "expires_at": r.expires_at,
-                }
-                for r in rows
-            ]
-        )
+        emit_json([_entry_json(r) for r in rows])
         return 0
     table = Table("namespace", "fingerprint", "tokens", "size", "age", "object")
     now = time.time()
@@ -80,18 +81,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             recs = [r for r in index.iter_entries(args.ns) if r.fp == target]
         if not recs:
             raise KVCloudError(f"no index entry for fingerprint {target[:16]}…")
-        result["entries"] = [
-            {
-                "ns": r.ns,
-                "fp": r.fp,
-                "object_key": r.entry.object_key,
-                "tokens": r.entry.n_tokens,
-                "size": r.entry.size,
-                "created": r.entry.created,
-                "expires_at": r.expires_at,
-            }
-            for r in recs
-        ]
+        result["entries"] = [_entry_json(r) for r in recs]
         keys = [k for r in recs for k in r.entry.keys]  # a chunk's parts, each
     elif "/" in target:
         keys = [target]
