@@ -188,6 +188,14 @@ class VLLMServer:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def sigterm(self) -> float:
+        """SIGTERM to the API server process alone, as Kubernetes and ``docker stop`` send
+        it (vLLM passes the stop on to its engine core, which stops its workers); returns
+        when it was sent (``time.monotonic``). ``wait_exit`` then waits for the exit."""
+        assert self.proc is not None and self.proc.poll() is None, f"vLLM {self.name} not running"
+        self.proc.send_signal(signal.SIGTERM)
+        return time.monotonic()
+
     def stop(self, timeout: float = 60.0) -> None:
         """SIGTERM (vLLM drains and calls the connector's shutdown), then SIGKILL."""
         if self.proc is None or self.proc.poll() is not None:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +34,23 @@ def hex_fps(fps: Sequence[bytes]) -> list[str]:
     return [fp.hex() for fp in fps]
 
 
+# derived tenant keys kept per client (a derivation costs a few microseconds)
+KEY_CACHE_SIZE = 4096
+
+
+def _cached(cache: OrderedDict[str, Any], tenant: str, derive: Callable[[], Any]) -> Any:
+    """``cache[tenant]``, derived on a miss; the least recently used beyond
+    KEY_CACHE_SIZE is forgotten."""
+    key = cache.get(tenant)
+    if key is None:
+        key = cache[tenant] = derive()
+        if len(cache) > KEY_CACHE_SIZE:
+            cache.popitem(last=False)
+    else:
+        cache.move_to_end(tenant)
+    return key
+
+
 class ClientBase(Closing):
     """The client's state, which the parts of KVCloud (client.py) share."""
 
@@ -40,8 +58,10 @@ class ClientBase(Closing):
         self.store = store
         self.index = index
         self.config = config or KVCloudConfig()
-        self._keys: dict[str, bytes] = {}
-        self._data_keys: dict[str, TenantKey] = {}
+        # derived keys by tenant, least recently used first: bounded, since a tenant scope
+        # can be per request (vLLM's cache_salt, a LoRA adapter) and would grow forever
+        self._keys: OrderedDict[str, bytes] = OrderedDict()
+        self._data_keys: OrderedDict[str, TenantKey] = OrderedDict()
         self._lock = threading.Lock()
         self._stats: Counter[str] = Counter()
         self._pending: Counter[str] = Counter()  # not yet added to the index's counters
@@ -59,20 +79,14 @@ class ClientBase(Closing):
     def tenant_key(self, tenant: str | None = None) -> bytes:
         t = self._tenant(tenant)
         with self._lock:
-            key = self._keys.get(t)
-            if key is None:
-                key = self._keys[t] = derive_tenant_key(self.config.secret, t)
-            return key
+            return _cached(self._keys, t, lambda: derive_tenant_key(self.config.secret, t))
 
     def data_key(self, tenant: str | None = None) -> TenantKey:
         """The tenant's encryption key (derived from the master secret, cached). Used to
         decrypt whatever the tenant finds encrypted, whether or not it encrypts new pushes."""
         t = self._tenant(tenant)
         with self._lock:
-            key = self._data_keys.get(t)
-            if key is None:
-                key = self._data_keys[t] = derive_data_key(self.config.secret, t)
-            return key
+            return _cached(self._data_keys, t, lambda: derive_data_key(self.config.secret, t))
 
     def encrypts(self, tenant: str | None = None) -> bool:
         """Whether this tenant's segments are encrypted at rest (KVCLOUD_ENCRYPT_TENANTS)."""

@@ -25,7 +25,7 @@ from ..errors import (
 )
 from ..indexes.base import IndexEntry
 from ..namespace import Namespace
-from ..segment import digest_from_key, part_layout, read_segment_into
+from ..segment import digest_from_key, part_layout, part_record_fp, read_segment_into
 from .base import ClientBase, hex_fps, log
 from .results import ChunkRef, Match, PullResult
 
@@ -185,6 +185,10 @@ class PullMixin(ClientBase):
         must_encrypt = self.encrypts(m.tenant)
         lo, hi = heads if heads is not None else (0, ns.num_kv_heads)
         l_lo, l_hi = layers if layers is not None else (0, ns.num_layers)
+        # the part of a chunk stored in parts that was missing or bad, by chunk: its record
+        # is dropped with the entry, or the next writer to offer a part of that chunk would
+        # find every record still there and register the broken grid again
+        bad_parts: dict[int, tuple[str, tuple[int, int], tuple[int, int]]] = {}
 
         def fetch(i: int) -> tuple[str, int]:
             ref = m.chunks[i]
@@ -228,6 +232,8 @@ class PullMixin(ClientBase):
                     if reason == "ok":
                         target[...] = room[la - pl_lo : lb - pl_lo, :, :, a - p_lo : b - p_lo]
                 if reason != "ok":
+                    if reason == "missing" or reason.startswith("corrupt"):
+                        bad_parts[i] = (key, (p_lo, p_hi), (pl_lo, pl_hi))
                     return reason, 0
                 total += size
             return "ok", total
@@ -287,6 +293,12 @@ class PullMixin(ClientBase):
                 try:
                     if self.index.drop(ns.id, ref.fp.hex(), ref.entry.object_key):
                         dropped += 1
+                    if i in bad_parts:
+                        key, p_heads, stage = bad_parts[i]
+                        # recorded with its layers by a pipeline stage, without them else
+                        for rec_layers in {None, stage}:
+                            record = part_record_fp(ref.fp, p_heads, rec_layers)
+                            self.index.drop(ns.id, record.hex(), key)
                 except KVCloudError as exc:
                     log.warning("could not drop bad entry %s: %s", ref.fp.hex()[:16], exc)
         self._count(

@@ -7,6 +7,7 @@ import os
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -171,3 +172,22 @@ def test_tenant_key_requires_secret_and_tenant() -> None:
         derive_tenant_key(b"", "t")
     with pytest.raises(ConfigError):
         derive_tenant_key(b"s", "")
+
+
+def test_the_clients_tenant_key_cache_is_bounded(tmp_path: Path) -> None:
+    """One scope per cache_salt or adapter: the derived keys kept are bounded (LRU), and a
+    key derived again after being forgotten is the same key."""
+    from kvcloud import KVCloud
+    from kvcloud.client import base
+
+    with KVCloud.open(
+        store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db", secret="s"
+    ) as kvc:
+        first = kvc.tenant_key("t0")
+        for i in range(base.KEY_CACHE_SIZE + 10):
+            kvc.tenant_key(f"t{i}")
+            kvc.data_key(f"t{i}")
+        assert len(kvc._keys) == base.KEY_CACHE_SIZE
+        assert len(kvc._data_keys) == base.KEY_CACHE_SIZE
+        assert "t0" not in kvc._keys
+        assert kvc.tenant_key("t0") == first

@@ -236,6 +236,38 @@ def test_offered_parts_register_the_chunk_once_the_last_is_in(kvc: KVCloud) -> N
     assert rep.clean and rep.entries_checked == 3 and rep.orphans == 0
 
 
+def test_a_broken_part_is_not_registered_again_by_the_next_offer(
+    kvc: KVCloud, tmp_path: Path
+) -> None:
+    """A part found corrupt drops the chunk's entry and that part's record, so the next
+    writer to offer its own (good) part of the chunk cannot find every record and register
+    the broken grid again; once the bad part is stored again, the chunk registers."""
+    ns = make_ns()
+    rng = np.random.default_rng(9)
+    tokens = rng.integers(0, 50_000, ns.chunk_tokens)
+    kv = rng.standard_normal(ns.kv_shape(ns.chunk_tokens)).astype(np.float16)
+    fp = kvc.fingerprints(ns, tokens)[0]
+    parts = {}
+    for lo, hi in [(0, 2), (2, 4)]:
+        parts[lo] = kvc.store_part(ns, fp, ns.digest, kv[:, :, :, lo:hi], (lo, hi))
+        kvc.offer_part(ns, fp, (lo, hi), *parts[lo], ns.chunk_tokens, 2)
+    bad_key = parts[2][0]
+    path = next((tmp_path / "o").rglob(bad_key.rsplit("/", 1)[-1]))
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 1
+    path.write_bytes(bytes(data))
+    assert kvc.pull_detailed(kvc.lookup(ns, tokens)).chunks == 0
+    # rank 0 offers its part again (the prefix came back): the broken grid stays a miss
+    key, size = kvc.store_part(ns, fp, ns.digest, kv[:, :, :, 0:2], (0, 2))
+    assert kvc.offer_part(ns, fp, (0, 2), key, size, ns.chunk_tokens, 2) is False
+    assert kvc.lookup(ns, tokens).tokens == 0
+    # rank 1 stores its part again (the same bytes: the same key, written again whole)
+    path.unlink()
+    key, size = kvc.store_part(ns, fp, ns.digest, kv[:, :, :, 2:4], (2, 4))
+    assert kvc.offer_part(ns, fp, (2, 4), key, size, ns.chunk_tokens, 2) is True
+    assert np.array_equal(kvc.pull(kvc.lookup(ns, tokens)), kv)
+
+
 # -- pipeline stages: parts by layer range ------------------------------------------------------
 
 STAGES = [0, 1, 3]  # uneven, as vLLM splits layers that do not divide evenly

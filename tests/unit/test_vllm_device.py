@@ -41,4 +41,22 @@ def test_restores_are_in_when_loading_returns_and_saves_read_before_later_kernel
 def test_without_streams_every_fence_is_passed() -> None:
     s = Streams("cpu")
     assert s.mark() is PASSED and s.after_save() is PASSED
+    s.after_loads()  # nothing to order: every copy was synchronous
     PASSED.wait()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_pass_without_per_layer_waits_reads_the_load_streams_writes(device: str) -> None:
+    """What a full CUDA graph replay relies on (``after_loads``): kernels queued on the
+    engine's stream after it run after every write queued on the load stream before it."""
+    s = Streams(device)
+    src = s.host_empty((N,), torch.float32)
+    src.fill_(1.0)
+    cache = torch.zeros(N, device=device)
+    if s.has_streams:  # a write still queued on the load stream, not waited for by the host
+        with torch.cuda.stream(s._load):
+            cache.copy_(src, non_blocking=True)
+    else:
+        cache.copy_(src)
+    s.after_loads()
+    assert (cache * 2).sum().item() == 2.0 * N  # the pass's read, on the engine's stream

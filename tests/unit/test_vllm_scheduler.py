@@ -110,8 +110,11 @@ def test_a_preempted_request_gets_its_load_again(stored: tuple[KVCloud, list[int
     meta = s.build_connector_meta(output())
     assert [ld.req_id for ld in meta.loads] == ["r1"]
     assert [ch.block_ids for ch in meta.loads[0].chunks] == [first[i : i + 2] for i in (0, 2, 4, 6)]
-    # preempted: vLLM resets num_computed_tokens, asks again, allocates other blocks; the
-    # request comes back among the cached requests, flagged resumed
+    # the load done, vLLM schedules the request (without asking again: it has computed
+    # tokens), then preempts it: it resets num_computed_tokens, asks again, allocates other
+    # blocks; the request comes back among the cached requests, flagged resumed
+    new = SimpleNamespace(req_id="r1", block_ids=(first,), num_computed_tokens=4 * C)
+    s.build_connector_meta(SimpleNamespace(**{**vars(output()), "scheduled_new_reqs": [new]}))
     assert ask(s, req) == 4 * C
     again = list(range(40, 49))
     s.update_state_after_alloc(req, Blocks(again), 4 * C)

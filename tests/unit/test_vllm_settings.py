@@ -1,8 +1,12 @@
 """The vLLM connector's settings and keys, without vLLM: extra config over KVCLOUD_*
-variables, clear errors, tenants folded with cache_salt, and the checkpoint digest."""
+variables, clear errors, tenants folded with cache_salt, the checkpoint digest, and the rope
+in the namespace (checked against vLLM itself, whose venv this suite's is not, by
+tests/vllm/test_vllm_config_checks.py)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -201,3 +205,109 @@ def test_an_mla_model_is_one_latent_head_in_its_own_namespace() -> None:
     odd = SimpleNamespace(**{**vars(hf), "qk_rope_head_dim": 63})
     with pytest.raises(ConfigError, match="odd width"):
         vllm_namespace(_vllm_config(use_mla=True, hf_config=odd), cfg)
+
+
+# -- the rotary embedding in the namespace -------------------------------------------------------
+
+_LONGROPE = {
+    "model_type": "phi3",
+    "max_position_embeddings": 131072,
+    "original_max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [4.0] * 4},
+}
+
+
+def _checkpoint_config(tmp_path: Path, config: dict, max_model_len: int, **over: object):
+    """A vLLM config over a checkpoint folder whose config.json is ``config`` (the file the
+    namespace reads the rope from, as both the scheduler and the worker processes can)."""
+    folder = tmp_path / hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return _vllm_config(model=str(folder), max_model_len=max_model_len, **over)
+
+
+def _ns_id(vc: SimpleNamespace) -> str:
+    return vllm_namespace(vc, VLLMConnectorConfig(weights_digest="sha256-x")).id
+
+
+def test_plain_rope_shares_across_max_model_len_and_keeps_its_namespace(tmp_path: Path) -> None:
+    """Plain RoPE (and llama3 scaling) rotates each position alike whatever max_model_len:
+    two vLLMs differing only in --max-model-len share, and a plain model's namespace is the
+    one it had before the rope was pinned (no ``rope`` entry)."""
+    before = _ns_id(_vllm_config())  # no config.json to read: the namespace as it always was
+    for plain in (
+        {"model_type": "llama", "rope_theta": 10000.0, "rope_scaling": None},
+        {"model_type": "llama", "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+    ):
+        short, long = (_checkpoint_config(tmp_path, plain, n) for n in (2048, 8192))
+        assert _ns_id(short) == _ns_id(long) == before
+    llama3 = {
+        "model_type": "llama",
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
+    a, b = (_checkpoint_config(tmp_path, llama3, n) for n in (4096, 131072))
+    assert _ns_id(a) == _ns_id(b) != before
+
+
+def test_longrope_splits_where_max_model_len_crosses_original(tmp_path: Path) -> None:
+    """vLLM's Phi-3 LongRoPE rotates with its long factors when max_model_len exceeds
+    original_max_position_embeddings, with its short ones otherwise: the namespace follows
+    that switch, and only it."""
+    ids = {
+        n: _ns_id(_checkpoint_config(tmp_path, _LONGROPE, n)) for n in (2048, 4096, 4097, 131072)
+    }
+    assert ids[2048] == ids[4096] != ids[4097] == ids[131072]
+    ns = vllm_namespace(
+        _checkpoint_config(tmp_path, _LONGROPE, 8192),
+        VLLMConnectorConfig(weights_digest="sha256-x"),
+    )
+    assert '"rope": "longrope@long:' in ns.extra
+    # the legacy name of the same scaling ("su") is the same rotation
+    su = {**_LONGROPE, "rope_scaling": {**_LONGROPE["rope_scaling"], "type": "su"}}
+    assert _ns_id(_checkpoint_config(tmp_path, su, 8192)) == ids[4097]
+    # without a readable config.json, the switch still comes from vLLM's loaded config
+    loaded = SimpleNamespace(
+        model_type="phi3", to_json_string=lambda: "{}",
+        rope_parameters={**_LONGROPE["rope_scaling"], "rope_type": "longrope",
+                         "original_max_position_embeddings": 4096},
+    )  # fmt: skip
+    short, long = (_ns_id(_vllm_config(hf_config=loaded, max_model_len=n)) for n in (4096, 8192))
+    assert short != long
+
+
+def test_rope_theta_and_scaling_never_share(tmp_path: Path) -> None:
+    """The same weights (one weights_digest, which does not read config.json) under another
+    rope theta or rope scaling compute other K: never one namespace. A number written as an
+    int or a float is the same rotation."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    configs = [
+        {"model_type": "qwen2", "rope_theta": 1000000.0, "rope_scaling": yarn},
+        {"model_type": "qwen2", "rope_theta": 500000.0, "rope_scaling": yarn},
+        {"model_type": "qwen2", "rope_theta": 1000000.0, "rope_scaling": {**yarn, "factor": 2.0}},
+        {"model_type": "qwen2", "rope_theta": 1000000.0,
+         "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+        {"model_type": "qwen2", "rope_theta": 1000000.0,
+         "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+        {"model_type": "qwen2", "rope_theta": 1000000.0,
+         "rope_scaling": {**yarn, "factor": 4.0}, "partial_rotary_factor": 0.5},
+        {"model_type": "qwen2", "rope_theta": 1000000.0, "rope_scaling": None},
+    ]  # fmt: skip
+    ids = [_ns_id(_checkpoint_config(tmp_path, c, 32768)) for c in configs]
+    assert len(set(ids)) == len(ids)
+    as_int = {**configs[0], "rope_theta": 1000000, "rope_scaling": {**yarn, "factor": 4}}
+    assert _ns_id(_checkpoint_config(tmp_path, as_int, 32768)) == ids[0]
+    # hf_overrides that add a scaling are the rope vLLM runs: pinned as such
+    plain = _checkpoint_config(tmp_path, configs[-1], 32768)
+    overridden = _checkpoint_config(
+        tmp_path, configs[-1], 32768, hf_overrides={"rope_scaling": yarn}
+    )
+    ns = vllm_namespace(overridden, VLLMConnectorConfig(weights_digest="sha256-x"))
+    assert '"rope": "yarn:' in ns.extra and ns.id != _ns_id(plain)

@@ -134,9 +134,8 @@ def save_from(ranks: list, reader: KVCloud, ns: Any, tokens: Any, kv: np.ndarray
     registered = 0
     for n, (ws, _) in enumerate(ranks):
         fill(ws, kv, [b for bl in blocks for b in bl])
-        for name in ws.layer_index:
-            ws.save_kv_layer(meta, name, ws.caches[name])  # type: ignore[arg-type]
-        ws.wait_for_save()
+        ws.start_load_kv(meta)  # type: ignore[arg-type]  # (notes the step's saves)
+        ws.wait_for_save()  # copies them, after the pass
         assert ws.uploader is not None
         ws.uploader.close()  # waits for the queue to drain
         stats = ws.take_stats()

@@ -10,7 +10,15 @@ reports the restore finished; a restore past
 breaker, which refuses loads at once and tells the scheduler side; the staging memory is
 reused. A restore in the step (``load_mode=sync``, or ``auto`` when short) is read by the
 forward pass layer by layer: each layer is in vLLM's blocks when the pass asks for it
-(``wait_for_layer_load``), while later layers may still be in flight.
+(``wait_for_layer_load``), while later layers may still be in flight; where full CUDA graphs
+may replay a step (no per-layer hook runs) it is whole before ``start_load_kv`` returns, and
+saves are copied in ``wait_for_save``, never in a per-layer hook. Restores in the step never
+queue behind restores beside it, and a restore that timed out queued on this worker is not
+blamed on the store.
+
+Timing bounds are kept out of these tests (they run on a shared 2-core machine): what is
+asserted is behaviour (counts, order, that a wait ended because what it waited for happened
+or because its deadline passed); how fast it is belongs to scripts/bench_vllm_*.py.
 """
 
 from __future__ import annotations
@@ -69,6 +77,30 @@ def setup(
     return ws, kvc, kv, LoadSpec("req-1", "default", chunks)
 
 
+def meta(*specs: LoadSpec, saves: list | None = None) -> SimpleNamespace:
+    """The connector metadata of one step."""
+    return SimpleNamespace(loads=list(specs), saves=saves or [])
+
+
+def gate_keys(kvc: KVCloud, keys: list[str]) -> tuple[dict[str, threading.Event], ...]:
+    """Reads of each of ``keys`` wait until its gate is set; ``entered[key]`` is set once a
+    read of it began, and ``reads`` counts every read by key (gated or not)."""
+    gates = {key: threading.Event() for key in keys}
+    entered = {key: threading.Event() for key in keys}
+    reads: dict[str, int] = {}
+    real_open = kvc.store.open_read
+
+    def gated_open(key: str):  # type: ignore[no-untyped-def]
+        reads[key] = reads.get(key, 0) + 1
+        if key in gates:
+            entered[key].set()
+            assert gates[key].wait(30)
+        return real_open(key)
+
+    kvc.store.open_read = gated_open  # type: ignore[method-assign]
+    return gates, entered, reads  # type: ignore[return-value]
+
+
 def hang_store(kvc: KVCloud) -> threading.Event:
     """Every object read waits until the returned event is set (a hung store)."""
     gate = threading.Event()
@@ -121,10 +153,11 @@ def assert_blocks_hold(
             continue
         cache, layout = ws.caches[name], ws.layouts[name]
         for i in chunks:
+            at = spec.chunks[i].position * c  # the chunk's first token in the prompt
             for k, b in enumerate(spec.chunks[i].block_ids):
                 if b < 0:
                     continue
-                want = kv[layer, :, i * c + k * BS : i * c + (k + 1) * BS]
+                want = kv[layer, :, at + k * BS : at + (k + 1) * BS]
                 assert same_bits(layout.gather(cache, [b]).numpy(), np.ascontiguousarray(want))
 
 
@@ -242,11 +275,10 @@ def test_a_failing_store_opens_the_breaker_and_loads_are_refused_at_once(
     n = len(calls)
     spec.req_id = "r-refused"
     ws._bad_objects.clear()
-    t0 = time.perf_counter()
     assert step(ws, spec) == every
-    assert time.perf_counter() - t0 < 0.05
     assert len(calls) == n, "the open breaker let a load reach the store"
-    assert ws.take_stats()["store_breaker_open"] == 1
+    stats = ws.take_stats()
+    assert stats["store_breaker_open"] == 1 and stats["loads_refused"] == 1
     # after the backoff one probe goes; the store is back, so it closes
     kvc.store.open_read = real_open  # type: ignore[method-assign]
     clock.t += 6
@@ -348,9 +380,10 @@ def test_the_forward_pass_reads_layer_0_while_layer_1_is_in_flight(tmp_path: Pat
     spec = dataclasses.replace(spec, chunks=spec.chunks[: kvc.store.max_workers])
     names = sorted(ws.layer_index, key=ws.layer_index.__getitem__)
     ws.start_load_kv(SimpleNamespace(loads=[spec], saves=[]))  # type: ignore[arg-type]
-    t0 = time.monotonic()
     ws.wait_for_layer_load(names[0])
-    assert time.monotonic() - t0 < 5.0  # did not wait for the held-back bytes
+    # the wait ended because layer 0 was written, not at the deadline: nothing timed out,
+    # and the held-back bytes are still held back
+    assert "load_timeouts" not in ws.take_stats() and not gate.is_set()
     assert_blocks_hold(ws, kv, spec, range(len(spec.chunks)), only=names[0])
     blocks = sorted({b for ch in spec.chunks for b in ch.block_ids if b >= 0})
     assert not ws.caches[names[1]][blocks].any()  # layer 1 is still on the wire
@@ -373,14 +406,17 @@ def test_a_sync_restore_reports_a_bad_chunk_after_the_same_step(tmp_path: Path) 
     assert_blocks_hold(ws, kv, spec, range(2))
 
 
-def test_a_hung_sync_restore_stalls_the_step_no_longer_than_load_timeout(tmp_path: Path) -> None:
+def test_a_hung_sync_restore_is_given_up_at_its_deadline(tmp_path: Path) -> None:
     ws, kvc, _, spec = setup(tmp_path, load_mode="sync", load_timeout=0.3)
     gate = hang_store(kvc)
     t0 = time.monotonic()
     ws.start_load_kv(SimpleNamespace(loads=[spec], saves=[]))  # type: ignore[arg-type]
     forward(ws)
     assert ws.get_finished(set()) == (None, None)
-    assert 0.25 < time.monotonic() - t0 < 2.0
+    # the step waited until the deadline (never less), then gave the restore up: counted as
+    # a timeout, its blocks reported for recompute
+    assert time.monotonic() - t0 >= 0.3
+    assert ws.take_stats()["load_timeouts"] == 1
     assert ws.get_block_ids_with_load_errors() == {
         b for ch in spec.chunks for b in ch.block_ids if b >= 0
     }
@@ -394,14 +430,16 @@ def test_an_auto_restore_in_the_step_stalls_it_at_most_four_budgets(tmp_path: Pa
     """``load_mode=auto``: a restore the scheduler put in the step waits there no longer than
     four ``sync_budget_ms`` (not ``load_timeout``), is then recomputed and never writes; one
     it left beside the pass is not waited for at all."""
-    ws, kvc, _, spec = setup(tmp_path, load_mode="auto", sync_budget_ms=75, load_timeout=5.0)
+    ws, kvc, _, spec = setup(tmp_path, load_mode="auto", sync_budget_ms=75, load_timeout=60.0)
     gate = hang_store(kvc)
     spec.sync = True
     t0 = time.monotonic()
     ws.start_load_kv(SimpleNamespace(loads=[spec], saves=[]))  # type: ignore[arg-type]
     forward(ws)
     assert ws.get_finished(set()) == (None, None)
-    assert 0.28 < time.monotonic() - t0 < 1.5
+    # the deadline was four budgets (0.3 s), not load_timeout (60 s): the bound tells the
+    # two apart with a margin no loaded machine eats
+    assert 0.3 <= time.monotonic() - t0 < 30
     assert ws.get_block_ids_with_load_errors() == {
         b for ch in spec.chunks for b in ch.block_ids if b >= 0
     }
@@ -413,10 +451,9 @@ def test_an_auto_restore_in_the_step_stalls_it_at_most_four_budgets(tmp_path: Pa
     beside, *_ = setup(tmp_path / "beside", load_mode="auto", sync_budget_ms=75)
     gate = hang_store(beside.client)
     spec.sync, spec.req_id = False, "beside"
-    t0 = time.monotonic()
     beside.start_load_kv(SimpleNamespace(loads=[spec], saves=[]))  # type: ignore[arg-type]
-    assert time.monotonic() - t0 < 0.2
-    assert beside.get_finished(set()) == (None, None)
+    # start_load_kv returned while the store still holds every read: it did not wait
+    assert not gate.is_set() and beside.get_finished(set()) == (None, None)
     gate.set()
     assert finish(beside, "beside") == set()
 
@@ -447,55 +484,275 @@ def test_restores_report_their_rate_to_the_scheduler_side(tmp_path: Path) -> Non
     assert total.beside_s == 2.0
 
 
-def test_saves_copy_each_layer_into_pooled_buffers_and_push_what_vllm_computed(
-    tmp_path: Path,
-) -> None:
-    """A step's saves: each layer's blocks copied right after the layer ran, the chunk
-    pushed whole, read back bit for bit (a plain pull), and its buffer reused next step."""
-    from kvcloud.integrations.vllm.specs import SaveChunk, SaveSpec
-
+def saver(tmp_path: Path, **cfg: object) -> tuple[WorkerSide, KVCloud, np.ndarray, list]:
+    """A worker side that saves, its caches holding two chunks of KV as vLLM's forward pass
+    left them (blocks out of order, then a run); returns it, its client, the KV and the
+    chunks' fingerprints."""
     ns = make_ns("float32")
     c = ns.chunk_tokens
     kvc = KVCloud.open(store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db", secret="s")
-    config = VLLMConnectorConfig(write_policy="write-through")
+    config = VLLMConnectorConfig(write_policy="write-through", **cfg)  # type: ignore[arg-type]
     vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS))
     ws = WorkerSide(config, ns, kvc, vllm_config, SimpleNamespace(num_blocks=N_BLOCKS))
     write = layer_for(cpu_write)
     tokens = [int(t) for t in make_tokens(2 * c)]
     kv = make_kv(ns, len(tokens))
-    fps = kvc.fingerprints(ns, tokens)
-    ids = [[5, 2], [9, 10]]  # out of order, then a run
-    names = []
     for layer in range(ns.num_layers):
         name = f"model.layers.{layer}.self_attn.attn"
         cache = torch.zeros(N_BLOCKS, ns.num_kv_heads, BS, 2 * ns.head_dim)
         layout = learn_layout(write, cache, N_BLOCKS, BS, ns.num_kv_heads, ns.head_dim)
-        for i, chunk_ids in enumerate(ids):
+        for i, chunk_ids in enumerate(SAVE_IDS):
             layout.scatter(cache, chunk_ids, torch.from_numpy(kv[layer, :, i * c : (i + 1) * c]))
         ws.caches[name], ws.layer_index[name], ws.layouts[name] = cache, layer, layout
-        names.append(name)
+    return ws, kvc, kv, kvc.fingerprints(ns, tokens)
+
+
+SAVE_IDS = [[5, 2], [9, 10]]
+
+
+def hookless_step(ws: WorkerSide, step_meta: SimpleNamespace) -> None:
+    """A step as a full CUDA graph replay runs it: vLLM's per-layer hooks
+    (``wait_for_layer_load``, ``save_kv_layer``) live in a Python wrapper the replay never
+    executes, so the connector sees ``start_load_kv``, then the calls after the pass."""
+    ws.start_load_kv(step_meta)  # type: ignore[arg-type]
+    ws.wait_for_save()
+    ws.get_finished(set())
+    ws.get_block_ids_with_load_errors()
+
+
+def test_a_step_without_per_layer_hooks_saves_what_vllm_computed(tmp_path: Path) -> None:
+    """A decode-only step under a full CUDA graph calls no ``save_kv_layer``: the chunks it
+    filled are still copied (in ``wait_for_save``, after the pass) into pooled buffers, pushed
+    whole, read back bit for bit, and a buffer is reused the next step."""
+    from kvcloud.integrations.vllm.specs import SaveChunk, SaveSpec
+
+    ws, kvc, kv, fps = saver(tmp_path)
+    ns = ws.ns
 
     def run_step(chunks: list[SaveChunk]) -> None:
-        meta = SimpleNamespace(loads=[], saves=[SaveSpec("r1", "default", chunks)])
-        for name in names:
-            ws.save_kv_layer(meta, name, ws.caches[name])  # type: ignore[arg-type]
-        ws.wait_for_save()
+        hookless_step(ws, meta(saves=[SaveSpec("r1", "default", chunks)]))
 
-    run_step([SaveChunk(0, fps[0], ns.digest, ids[0])])
-    deadline = time.monotonic() + 10
+    run_step([SaveChunk(0, fps[0], ns.digest, SAVE_IDS[0])])
+    deadline = time.monotonic() + 30
     while len(ws._buffers._free) < 1:  # given back once pushed
         assert time.monotonic() < deadline, "the buffer never came back from the uploader"
         time.sleep(0.005)
     reused = ws._buffers._free[0]
-    run_step([SaveChunk(1, fps[1], fps[0], ids[1])])
+    run_step([SaveChunk(1, fps[1], fps[0], SAVE_IDS[1])])
     while len(ws._buffers._free) < 1:
         assert time.monotonic() < deadline
         time.sleep(0.005)
     assert ws._buffers._free[0] is reused  # the same memory served the second save
-    m = kvc.lookup(ns, tokens)
-    assert m.tokens == 2 * c
+    m = kvc.lookup(ns, [int(t) for t in make_tokens(2 * ns.chunk_tokens)])
+    assert m.tokens == 2 * ns.chunk_tokens
     assert same_bits(kvc.pull(m), kv)
     stats = ws.take_stats()
-    assert stats["chunks_pushed"] == 2
+    assert stats["chunks_queued"] == 2 and stats["chunks_pushed"] == 2
+    assert stats.get("saves_skipped", 0) == 0
     assert stats["save_us"] > 0  # the copies on the forward thread, timed
     ws.shutdown()
+
+
+def test_a_chunk_named_for_saving_is_offered_or_counted_never_dropped(tmp_path: Path) -> None:
+    """Every chunk the scheduler names is offered to the uploader (then pushed, or counted
+    as ``upload_dropped``) or counted as ``saves_skipped``: one partly out of a sliding
+    window (the null block), one whose blocks cannot be read; per-layer hooks or not."""
+    from kvcloud.integrations.vllm.specs import NULL_BLOCK, SaveChunk, SaveSpec
+
+    ws, kvc, _, fps = saver(tmp_path)
+    ns = ws.ns
+    good = SaveChunk(0, fps[0], ns.digest, SAVE_IDS[0])
+    windowed = SaveChunk(1, fps[1], fps[0], [NULL_BLOCK, SAVE_IDS[1][1]])
+    unreadable = SaveChunk(1, fps[1], fps[0], [9, N_BLOCKS + 40])  # past the cache's end
+    hookless_step(ws, meta(saves=[SaveSpec("r1", "default", [good, windowed, unreadable])]))
+    assert ws.uploader is not None
+    ws.uploader.close()  # waits for the queue to drain
+    stats = ws.take_stats()
+    assert stats["chunks_queued"] == 1 and stats["chunks_pushed"] == 1
+    assert stats["saves_skipped"] == 2
+    assert kvc.lookup(ns, [int(t) for t in make_tokens(2 * ns.chunk_tokens)]).tokens == (
+        ns.chunk_tokens
+    )
+    ws.shutdown()
+
+
+def test_a_full_upload_queue_costs_no_copy(tmp_path: Path) -> None:
+    """On a sick store the upload queue fills: a chunk the queue cannot take is counted as
+    dropped without being copied out of vLLM's blocks (the copy would be wasted work on the
+    forward thread)."""
+    from kvcloud.integrations.vllm.specs import SaveChunk, SaveSpec
+
+    ws, _kvc, _, fps = saver(tmp_path, upload_queue=1)
+    ns = ws.ns
+    gate = threading.Event()
+    put = ws.uploader.client.store.put  # type: ignore[union-attr]
+
+    def held(key: str, data: object) -> bool:
+        gate.wait(30)
+        return put(key, data)
+
+    ws.uploader.client.store.put = held  # type: ignore[union-attr,method-assign]
+    taken: list[int] = []
+    take = ws._buffers.take
+    ws._buffers.take = lambda: taken.append(1) or take()  # type: ignore[method-assign]
+    chunks = [SaveChunk(0, fps[0], ns.digest, SAVE_IDS[0])]
+    hookless_step(ws, meta(saves=[SaveSpec("r1", "default", chunks)]))  # taken by the thread
+    deadline = time.monotonic() + 30
+    while ws.uploader.room() < 1:  # type: ignore[union-attr]
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    chunks2 = [SaveChunk(1, fps[1], fps[0], SAVE_IDS[1])]
+    hookless_step(ws, meta(saves=[SaveSpec("r1", "default", chunks2)]))  # fills the queue
+    hookless_step(ws, meta(saves=[SaveSpec("r2", "default", chunks2)]))  # no room: no copy
+    assert len(taken) == 2
+    stats = ws.take_stats()
+    assert stats["upload_dropped"] == 1 and stats["chunks_queued"] == 2
+    gate.set()
+    ws.shutdown()
+
+
+def test_full_cuda_graphs_are_read_from_vllms_compilation_config(tmp_path: Path) -> None:
+    """Whether a step may be replayed by a full CUDA graph (so no per-layer hook runs):
+    ``cudagraph_mode`` has full graphs and the model is not run eagerly."""
+
+    class Mode:
+        def __init__(self, full: bool) -> None:
+            self.full = full
+
+        def has_full_cudagraphs(self) -> bool:
+            return self.full
+
+    kvc = KVCloud.open(store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db")
+
+    def worker(mode: object, eager: bool) -> WorkerSide:
+        vllm_config = SimpleNamespace(
+            cache_config=SimpleNamespace(block_size=BS),
+            compilation_config=SimpleNamespace(cudagraph_mode=mode),
+            model_config=SimpleNamespace(enforce_eager=eager),
+        )
+        cfg = VLLMConnectorConfig(write_policy="off")
+        return WorkerSide(cfg, make_ns("float32"), kvc, vllm_config, SimpleNamespace())
+
+    assert worker(Mode(True), eager=False).full_graphs
+    assert not worker(Mode(True), eager=True).full_graphs
+    assert not worker(Mode(False), eager=False).full_graphs
+    assert not worker(None, eager=False).full_graphs
+    # vLLM's own CUDAGraphMode values: tests/vllm/test_vllm_config_checks.py
+
+
+def test_with_full_cuda_graphs_an_in_step_restore_is_whole_before_the_pass(
+    tmp_path: Path,
+) -> None:
+    """A full graph replays the pass without ``wait_for_layer_load``: so with full graphs
+    on, ``start_load_kv`` returns only once the step's restore is written, verified, into
+    every layer's blocks (the store here answers only after start_load_kv was called)."""
+    ws, kvc, kv, spec = setup(tmp_path, load_mode="sync", load_timeout=60.0)
+    ws.full_graphs = True
+    gate = hang_store(kvc)
+    opener = threading.Timer(0.2, gate.set)
+    opener.start()
+    ws.start_load_kv(meta(spec))  # type: ignore[arg-type]
+    # the replayed pass reads every layer now, with nothing in between
+    assert_blocks_hold(ws, kv, spec, range(N_CHUNKS))
+    ws.wait_for_save()
+    assert ws.get_finished(set()) == (None, None)
+    assert ws.get_block_ids_with_load_errors() == set()
+    stats = ws.take_stats()
+    assert stats["loaded_tokens"] == (2 * N_CHUNKS - 1) * BS
+    assert "load_timeouts" not in stats
+    opener.join()
+
+
+def test_with_full_cuda_graphs_a_hung_in_step_restore_is_given_up_before_the_pass(
+    tmp_path: Path,
+) -> None:
+    """The store hangs: ``start_load_kv`` returns at the restore's deadline, the restore
+    already given up (so nothing is written under the pass's reads), its blocks reported
+    for recompute after the step."""
+    ws, kvc, _, spec = setup(tmp_path, load_mode="sync", load_timeout=0.3)
+    ws.full_graphs = True
+    gate = hang_store(kvc)
+    ws.start_load_kv(meta(spec))  # type: ignore[arg-type]
+    assert ws.take_stats()["load_timeouts"] == 1  # given up before the pass
+    ws.wait_for_save()
+    assert ws.get_finished(set()) == (None, None)
+    assert ws.get_block_ids_with_load_errors() == {
+        b for ch in spec.chunks for b in ch.block_ids if b >= 0
+    }
+    gate.set()
+    ws._pool.shutdown(wait=True)
+    for cache in ws.caches.values():
+        assert not cache.any(), "an abandoned restore wrote into vLLM's blocks"
+
+
+def test_an_in_step_restore_never_queues_behind_restores_beside_the_pass(
+    tmp_path: Path,
+) -> None:
+    """Restores beside the pass hold every load thread and every store thread (their store
+    hangs); a restore in the step still runs at once, on threads of its own, and is whole
+    when the pass reads it, well before any deadline."""
+    # load_mode=auto: each spec says where it runs; four budgets of 5 s is the in-step
+    # deadline, so a restore that queued would stall the pass 20 s and then fail
+    ws, kvc, kv, spec = setup(tmp_path, load_threads=1, sync_budget_ms=5000, load_timeout=20.0)
+    beside = dataclasses.replace(spec, req_id="beside", chunks=spec.chunks[:2])
+    in_step = dataclasses.replace(spec, req_id="in-step", chunks=spec.chunks[2:], sync=True)
+    gates, entered, _ = gate_keys(kvc, [ch.object_key for ch in beside.chunks])
+    ws.start_load_kv(meta(beside))  # type: ignore[arg-type]
+    assert all(e.wait(30) for e in entered.values())  # both store threads hung in its reads
+    ws.start_load_kv(meta(in_step))  # type: ignore[arg-type]
+    forward(ws)
+    assert ws.get_finished(set()) == (None, None)
+    assert ws.get_block_ids_with_load_errors() == set()
+    assert_blocks_hold(ws, kv, in_step, range(2))
+    stats = ws.take_stats()
+    assert "load_timeouts" not in stats and stats["loaded_tokens"] == 4 * BS
+    for gate in gates.values():
+        gate.set()
+    assert finish(ws, "beside") == set()
+
+
+def test_a_restore_that_timed_out_queued_here_is_recomputed_but_not_blamed_on_the_store(
+    tmp_path: Path,
+) -> None:
+    """One load thread, three restores beside the pass: the first takes most of its
+    timeout, the second starts late, the third is still queued when its deadline (from
+    submission) passes. The third is failed for its request, but the store never saw it:
+    the breaker stays closed and its object is still offered. The second's deadline counts
+    from its pull's start, so it is not given up at the third's."""
+    ws, kvc, kv, spec = setup(tmp_path, load_threads=1, load_timeout=1.0)
+    clock = _Clock()
+    ws._clock = clock
+    first = dataclasses.replace(spec, req_id="first", chunks=spec.chunks[:1])
+    second = dataclasses.replace(spec, req_id="second", chunks=spec.chunks[1:2])
+    queued = dataclasses.replace(spec, req_id="queued", chunks=spec.chunks[2:])
+    k0, k1 = first.chunks[0].object_key, second.chunks[0].object_key
+    gates, entered, reads = gate_keys(kvc, [k0, k1])
+    ws.start_load_kv(meta(first, second, queued))  # type: ignore[arg-type]
+    assert entered[k0].wait(30)  # the first is pulling on the one load thread
+    clock.t += 0.8
+    gates[k0].set()  # the first ends in time
+    assert entered[k1].wait(30)  # the second started (at 0.8 s: its deadline 1.8 s)
+    assert finish(ws, "first") == set()
+    clock.t += 0.4  # 1.2 s: past the queued one's deadline, not the second's
+    _, done = ws.get_finished(set())
+    assert done == {"queued"}
+    assert ws.get_block_ids_with_load_errors() == {
+        b for ch in queued.chunks for b in ch.block_ids if b >= 0
+    }
+    stats = ws.take_stats()
+    assert stats["load_queue_timeouts"] == 1 and "load_timeouts" not in stats
+    assert not ws.store_breaker.is_open
+    worker_meta = ws.build_worker_meta()
+    assert worker_meta is None or not worker_meta.bad_objects
+    gates[k1].set()
+    assert finish(ws, "second") == set()
+    for cache in ws.caches.values():  # the given-up restore wrote nothing
+        for ch in queued.chunks:
+            assert not cache[[b for b in ch.block_ids if b >= 0]].any()
+    # its objects are still offered, and restored; the one load thread runs in order, so
+    # the given-up restore had its turn first: it never reached the store (one read each,
+    # this restore's)
+    again = dataclasses.replace(queued, req_id="again")
+    assert step(ws, again) == set()
+    assert_blocks_hold(ws, kv, again, range(2))
+    assert all(reads.get(ch.object_key) == 1 for ch in queued.chunks)

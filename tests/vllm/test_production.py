@@ -4,7 +4,8 @@ checked against a vLLM without the connector (same flags otherwise):
 - a starved KV cache that preempts several concurrent requests, whose resumed prompts must be
   loaded again, with chunked prefill on;
 - LoRA: base and adapter requests on the same prompt never share KV;
-- ngram speculative decoding with a corrupt object in the store.
+- ngram speculative decoding with a corrupt object in the store;
+- the negative control of the answer check (``assert_same_answer``): a wrong restore fails it.
 
 Servers (kvcloud's embedded default, shared by the module): W writes (LoRA and ngram
 speculative decoding on), P is starved (few KV blocks, small prefill chunks, LoRA on), RL is
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,7 +27,12 @@ from kvcloud import KVCloud
 from kvcloud.integrations.vllm.keys import request_scope
 from scripts.vllm_fleet import LORA, VLLMServer, cached_tokens, kvcloud_transfer_config
 from tests.vllm.conftest import embedded_env, prompt_tokens, serving
-from tests.vllm.helpers import assert_same_answer, connector_namespace, wait_stored
+from tests.vllm.helpers import (
+    assert_same_answer,
+    connector_namespace,
+    plant_kv,
+    wait_stored,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
@@ -107,10 +113,22 @@ def test_preempted_requests_answer_like_no_connector(
     before_pre, before = preemptions(p), p.metrics()
     with cf.ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda t: p.complete(t, **gen), turns))
-    assert preemptions(p) - before_pre >= 1, "the starved server never preempted"
+    preempted = preemptions(p) - before_pre
+    assert preempted >= 1, "the starved server never preempted"
     after = p.metrics()
-    loaded = after.get("loaded_tokens", 0) - before.get("loaded_tokens", 0)
-    assert loaded >= 8 * 2 * CHUNK  # the restores happened (first admissions at least)
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    # the first admissions can be offered each prompt's stored chunks once (17 chunks, 4,352
+    # tokens), no more: P's own saves of a turn come after its lookup, and the prompts share
+    # nothing. Each preemption freed a running request's blocks (prefix cache off: nothing
+    # left locally), so its resumption is offered its prompt's stored chunks again (at least
+    # 2); and the restores loaded beyond the first admissions.
+    first = sum(len(prompt) // CHUNK for prompt in prompts) * CHUNK
+    assert delta["hit_tokens"] >= first + preempted * 2 * CHUNK, (preempted, delta)
+    assert delta["loaded_tokens"] > first, (preempted, delta)
+    print(
+        f"P: {preempted:.0f} preemptions; offered {delta['hit_tokens']:.0f} tokens, loaded "
+        f"{delta['loaded_tokens']:.0f} (first admissions at most {first})"
+    )
     # the reference answers the same batch at once (P's batched, preempted answers equal
     # each one answered alone too; batched costs one decode step for all eight)
     with cf.ThreadPoolExecutor(8) as pool:
@@ -183,3 +201,42 @@ def test_speculative_decoding_with_a_corrupt_object(
     assert_same_answer(
         got, rl.complete(turn, max_tokens=48, ignore_eos=True), "W, ngram + corrupt object"
     )
+
+
+@pytest.mark.parametrize(
+    ("label", "changed"),
+    [
+        # the same prompt but for one token at 700, in its third and last stored chunk: the
+        # first 188 tokens of the chunk and the two chunks before it are exactly right
+        ("one token changed", [700]),
+        ("another prompt", range(800)),
+    ],
+)
+def test_a_wrong_restore_fails_the_answer_check(
+    servers: dict[str, VLLMServer], store: dict[str, str], label: str, changed: Sequence[int]
+) -> None:
+    """The negative control of assert_same_answer, which every vLLM module's answers go
+    through: another prompt's KV, stored under this prompt's key (each object well formed
+    and verifying), is restored, and the check must fail."""
+    w, p, rl = servers["W"], servers["P"], servers["RL"]
+    seed = 500 + len(changed)
+    victim = prompt_tokens(800, seed=seed)
+    other = prompt_tokens(800, seed=seed + 1)
+    donor = [other[i] if i in changed else t for i, t in enumerate(victim)]
+    assert donor != victim
+    w.complete(donor, max_tokens=1)
+    assert wait_stored(store, donor) == 3
+    # chunks whose prefix differs get the donor's KV (1 or 3); those before are the same
+    wrong = sum(donor[: (i + 1) * CHUNK] != victim[: (i + 1) * CHUNK] for i in range(3))
+    assert plant_kv(store, victim, donor) == wrong
+    turn = [*victim, 31, 32]
+    before = p.metrics()
+    got = p.complete(turn, max_tokens=16)
+    after = p.metrics()
+    # P restored the planted KV (its prefix cache is off: nothing of it came from elsewhere)
+    assert after["loaded_tokens"] - before.get("loaded_tokens", 0) == 3 * CHUNK
+    assert after.get("verify_failures", 0) == before.get("verify_failures", 0)
+    ref = rl.complete(turn, max_tokens=16)
+    with pytest.raises(AssertionError) as caught:
+        assert_same_answer(got, ref, f"P, wrong restore: {label}")
+    print(f"{label}: the check failed as it must: {str(caught.value).splitlines()[0][:300]}")

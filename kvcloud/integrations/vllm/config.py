@@ -73,9 +73,13 @@ class VLLMConnectorConfig:
     a bounded time whatever ``load_timeout`` says."""
 
     load_timeout: float = field(default=2.0, metadata={"env": "KVCLOUD_LOAD_TIMEOUT"})
-    """Seconds a request waits for its restore before giving up on it; the blocks not loaded
-    by then are recomputed. With ``load_mode=async`` only the request being restored waits,
-    never the requests already decoding; with ``sync`` this bounds the stall of a step."""
+    """Seconds a restore may pull, from when its pull starts, before it is given up; the
+    blocks not loaded by then are recomputed, and the store is blamed (its breaker, the
+    object remembered as bad). A restore still queued behind others on this worker that long
+    after it was submitted is given up too, for its request only: local queueing is not a
+    store outage. With ``load_mode=async`` only the request being restored waits, never the
+    requests already decoding; with ``sync`` this bounds the stall of a step (queueing
+    included, at most twice this)."""
 
     lookup_wait_ms: float = field(default=20.0, metadata={"env": "KVCLOUD_LOOKUP_WAIT_MS"})
     """Milliseconds the scheduler waits, the first time vLLM asks, for a request's index
@@ -108,8 +112,10 @@ class VLLMConnectorConfig:
     offered it (or anything after it in their prompt) meanwhile."""
 
     load_threads: int = field(default=4, metadata={"env": "KVCLOUD_LOAD_THREADS"})
-    """Restores in flight at once per worker (each pulls its chunks in parallel); uploads
-    have their own client and threads, so they never delay a load."""
+    """Restores beside the forward pass in flight at once per worker (each pulls its chunks
+    in parallel). Restores in the step (``sync``, ``auto`` when short) have threads of their
+    own, so they never queue behind these; uploads have their own client and threads, so
+    they never delay a load."""
 
     upload_queue: int = field(default=64, metadata={"env": "KVCLOUD_UPLOAD_QUEUE"})
     """Chunks waiting for upload at most; when full, new ones are dropped and counted."""
@@ -120,6 +126,14 @@ class VLLMConnectorConfig:
     steps (on a CPU server they share the forward pass's core; on a GPU server, the core
     that schedules and launches the steps); a chunk waits in the queue meanwhile.
     0: the uploader runs at vLLM's own priority (docs/VLLM.md has the measurements)."""
+
+    drain_seconds: float = field(default=0.0, metadata={"env": "KVCLOUD_DRAIN_SECONDS"})
+    """At stop, the longest the uploader pushes the chunks still queued before it gives up
+    on the rest (logged, counted as ``upload_dropped_at_stop``). 0: as long as vLLM lets a
+    stopping worker live, less a margin (``uploader.stop_budget``: 4 s with vLLM's
+    defaults); more than that is never used, since vLLM would kill the worker mid-push.
+    vLLM's default ``--shutdown-timeout 0`` kills the engine at once on SIGTERM: a server
+    that should keep its last saves needs more (docs/VLLM.md, "Stopping")."""
 
     min_hit_tokens: int = field(default=0, metadata={"env": "KVCLOUD_MIN_HIT_TOKENS"})
     """A kvcloud hit shorter than this (beyond vLLM's own prefix cache) is not loaded."""
@@ -219,6 +233,12 @@ class VLLMConnectorConfig:
             or not 0 <= self.upload_nice <= 19
         ):
             raise ConfigError(f"upload_nice must be an integer 0-19, got {self.upload_nice!r}")
+        if (
+            isinstance(self.drain_seconds, bool)
+            or not isinstance(self.drain_seconds, int | float)
+            or not self.drain_seconds >= 0
+        ):
+            raise ConfigError(f"drain_seconds must be >= 0, got {self.drain_seconds!r}")
         if not isinstance(self.min_hit_tokens, int) or self.min_hit_tokens < 0:
             raise ConfigError(f"min_hit_tokens must be >= 0, got {self.min_hit_tokens!r}")
 

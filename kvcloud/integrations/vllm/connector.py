@@ -99,6 +99,9 @@ class KVCloudConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._client_seen: Counter[str] = Counter()
         _route_kvcloud_logs()
+        from .versions import check_vllm_version  # a warning outside the tested vLLMs
+
+        check_vllm_version()
         try:
             cfg = VLLMConnectorConfig.load(self._kv_transfer_config.kv_connector_extra_config)
             block_size = int(vllm_config.cache_config.block_size)
@@ -166,25 +169,49 @@ class KVCloudConnector(KVConnectorBase_V1):
             log.error(msg)
             raise KVCloudConnectorError(msg) from None
 
+    # Nothing raised in these calls may reach vLLM: an exception in the engine core stops
+    # the engine for every request. Each guard logs, counts (``connector_errors``) and
+    # falls back: a load that cannot start is reported failed (its blocks recomputed), a
+    # save that cannot be made is a future miss, a lookup that fails is a miss.
+
+    def _failed(self, where: str, exc: BaseException) -> None:
+        log.warning("kvcloud: %s failed: %s: %s", where, type(exc).__name__, exc)
+        side = self._worker or self._scheduler
+        if side is not None:
+            side.count(connector_errors=1)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if self._worker is not None and isinstance(meta, KVCloudConnectorMetadata):
-            self._worker.start_load_kv(meta)
+            try:
+                self._worker.start_load_kv(meta)
+            except Exception as exc:
+                self._failed("starting this step's restores", exc)
+                self._worker.fail_loads(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._worker is not None:
-            self._worker.wait_for_layer_load(layer_name)
+            try:
+                self._worker.wait_for_layer_load(layer_name)
+            except Exception as exc:
+                self._failed(f"waiting for {layer_name}", exc)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
         meta = self._connector_metadata
         if self._worker is not None and isinstance(meta, KVCloudConnectorMetadata):
-            self._worker.save_kv_layer(meta, layer_name, kv_layer)
+            try:
+                self._worker.save_kv_layer(meta, layer_name, kv_layer)
+            except Exception as exc:
+                self._failed(f"saving {layer_name}", exc)
 
     def wait_for_save(self) -> None:
         if self._worker is not None:
-            self._worker.wait_for_save()
+            try:
+                self._worker.wait_for_save()
+            except Exception as exc:
+                self._failed("handing this step's saves over", exc)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
@@ -192,11 +219,17 @@ class KVCloudConnector(KVConnectorBase_V1):
         try:
             return self._worker.get_finished(finished_req_ids)
         except Exception as exc:  # a bug here must not kill the engine; loads stay pending
-            log.warning("kvcloud: checking finished restores: %s", exc)
+            self._failed("checking finished restores", exc)
             return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return set() if self._worker is None else self._worker.get_block_ids_with_load_errors()
+        if self._worker is None:
+            return set()
+        try:
+            return self._worker.get_block_ids_with_load_errors()
+        except Exception as exc:
+            self._failed("reporting failed restores", exc)
+            return set()
 
     def build_connector_worker_meta(self) -> KVCloudWorkerMeta | None:
         return None if self._worker is None else self._worker.build_worker_meta()
@@ -235,7 +268,7 @@ class KVCloudConnector(KVConnectorBase_V1):
             try:
                 self._scheduler.on_new_request(request)
             except Exception as exc:  # the lookup is retried when vLLM asks for the hit
-                log.warning("kvcloud: starting the lookup of %s: %s", request.request_id, exc)
+                self._failed(f"starting the lookup of {request.request_id}", exc)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -244,27 +277,45 @@ class KVCloudConnector(KVConnectorBase_V1):
         try:
             return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
         except Exception as exc:  # a lookup problem is a miss, never a failed request
-            log.warning("kvcloud lookup for %s failed: %s", request.request_id, exc)
+            self._failed(f"the lookup of {request.request_id}", exc)
             return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
         assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        try:
+            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        except Exception as exc:
+            # vLLM now expects these blocks filled: fill nothing, and have the worker
+            # report them failed so they are recomputed (never left unwritten)
+            self._failed(f"planning the restore of {request.request_id}", exc)
+            self._scheduler.load_unplanned(request, blocks, num_external_tokens)
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
-            self._scheduler.update_connector_output(connector_output)
+            try:
+                self._scheduler.update_connector_output(connector_output)
+            except Exception as exc:
+                self._failed("reading the workers' report", exc)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        step = self._scheduler.build_connector_meta(scheduler_output)
+        try:
+            step = self._scheduler.build_connector_meta(scheduler_output)
+        except Exception as exc:
+            # this step's saves are lost (future misses); its loads still go out, as
+            # failed ones, so no request waits for a restore that never runs
+            self._failed("building this step's metadata", exc)
+            step = self._scheduler.failed_step()
         return KVCloudConnectorMetadata(loads=step.loads, saves=step.saves)
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is not None:
-            self._scheduler.request_finished(request)
+            try:
+                self._scheduler.request_finished(request)
+            except Exception as exc:
+                self._failed(f"forgetting {request.request_id}", exc)
         return False, None
 
     @property
@@ -287,3 +338,30 @@ class KVCloudConnector(KVConnectorBase_V1):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVCloudPromMetrics:
         return KVCloudPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # -- sleep mode -------------------------------------------------------------------------
+    # vLLM 0.33's connector base asks ``supports_sleep_mode`` and, for a connector that says
+    # yes, calls ``release_kv_caches`` (``unregister_kv_caches`` in some builds) before its
+    # sleep-mode allocator unmaps the KV cache and ``restore_kv_caches`` once it is mapped
+    # again. 0.32's base has none of these: defined here, they are simply never called there.
+    # The connector refuses sleep mode (versions.SLEEP_MODE_REASON): ``check_supported``
+    # stops an engine started with --enable-sleep-mode, so vLLM never gets this far.
+
+    @classmethod
+    def supports_sleep_mode(cls, vllm_config: Any = None) -> bool:
+        return False
+
+    def release_kv_caches(self) -> None:
+        # reached only by a vLLM that ignored supports_sleep_mode: stop its sleep here, before
+        # the unmap, rather than let a load thread write into freed memory
+        from .versions import SLEEP_MODE_REASON
+
+        log.error("kvcloud: %s", SLEEP_MODE_REASON)
+        raise KVCloudConnectorError(SLEEP_MODE_REASON)
+
+    def unregister_kv_caches(self) -> None:
+        self.release_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        # nothing was released (release_kv_caches refuses), so nothing to learn again
+        return None

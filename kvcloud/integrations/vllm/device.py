@@ -7,11 +7,12 @@ restore and save crosses the bus. Three things keep that off the forward pass's 
   for (``non_blocking=True`` is only asynchronous from page-locked memory);
 - **a side stream per direction**, so a restore's writes and a save's reads queue beside the
   forward pass's kernels instead of behind them;
-- **events**, for the two orderings that matter: a restore's writes begin only after the work
+- **events**, for the orderings that matter: a restore's writes begin only after the work
   already queued on the engine's stream (blocks handed to a new request may still be read or
-  written by kernels of the step that freed them), and a save's reads are over before any
-  later kernel may overwrite the blocks (``after_save``), and before the uploader reads the
-  host copy (``Fence.wait``).
+  written by kernels of the step that freed them); a pass that a full CUDA graph may replay
+  reads a restore in the step only after its writes (``after_loads``: no per-layer wait runs
+  inside a replay); and a save's reads are over before any later kernel may overwrite the
+  blocks (``after_save``), and before the uploader reads the host copy (``Fence.wait``).
 
 On a device without streams (the CPU backend) every copy is synchronous and each of these is
 a no-op: the same code path, tested here on CPU tensors, runs on CUDA tensors unchanged.
@@ -77,10 +78,22 @@ class Streams:
             yield
         self._load.synchronize()
 
+    def after_loads(self) -> None:
+        """On the forward thread, before a pass that reads restores without a per-layer wait
+        (a full CUDA graph replay): the engine's stream waits for every block write queued
+        on the load stream so far. (``loading`` already synchronizes each write before it
+        counts as written; this keeps the pass ordered after them on the device too.)"""
+        if not self.has_streams:
+            return
+        event = torch.cuda.Event()
+        event.record(self._load)
+        torch.cuda.current_stream(self.device).wait_event(event)
+
     @contextlib.contextmanager
     def saving(self) -> Iterator[None]:
-        """On the forward thread, right after a layer ran: read its blocks on the save
-        stream, once the layer's own kernels (queued before) are done."""
+        """On the forward thread, after the pass (``wait_for_save``): read the step's save
+        chunks out of their blocks on the save stream, once the pass's kernels (queued
+        before) are done."""
         if not self.has_streams:
             yield
             return
@@ -89,7 +102,7 @@ class Streams:
             yield
 
     def after_save(self) -> Fence:
-        """At the step's end: later kernels on the engine's stream wait for the save reads
+        """After the save reads: later kernels on the engine's stream wait for them
         (vLLM may hand the blocks to another request at the next schedule); the returned
         fence is passed once the host copies hold the KV (the uploader waits on it)."""
         if not self.has_streams:

@@ -6,7 +6,10 @@ changes the KV bytes: a digest of the checkpoint's weight files and config (so a
 checkpoint in another folder shares, a different checkpoint never does), the KV dtype, the
 model's compute dtype, layers, KV heads, head size, and the version of this connector's
 layout conversion. vLLM's block size is not in it: segments are converted to kvcloud's own
-layout, so vLLMs with different ``--block-size`` share.
+layout, so vLLMs with different ``--block-size`` share. K is stored after RoPE, so any rotary
+embedding other than plain RoPE is pinned too (``rope_signature``): the rope parameters of the
+checkpoint's config as vLLM reads them (``hf_overrides`` applied), and ``max_model_len`` where
+the rope kind's output depends on it (Phi-3's LongRoPE switches on it).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from ...errors import ConfigError
 from ...namespace import Namespace
 from .._torch import dtype_name
 from .config import VLLMConnectorConfig
+from .versions import SLEEP_MODE_REASON
 
 LAYOUT_VERSION = "vllm-kv-v1"
 _DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
@@ -99,6 +103,10 @@ def _draft_kv(spec: Any) -> bool:
 
 def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
     """Refuse, at start, what the connector would get wrong."""
+    if getattr(vllm_config.model_config, "enable_sleep_mode", False):
+        # vLLM 0.33 asks the connector (supports_sleep_mode: False); 0.32 does not ask, and
+        # frees the KV cache under the connector all the same: refused here for both
+        raise ConfigError(SLEEP_MODE_REASON)
     pc = vllm_config.parallel_config
     if int(getattr(pc, "decode_context_parallel_size", 1) or 1) != 1:
         raise ConfigError("the kvcloud connector does not support decode context parallelism")
@@ -158,6 +166,204 @@ def sliding_window(kv_cache_config: Any) -> int | None:
     return int(window) if window else None
 
 
+# -- the rotary embedding vLLM applies to K ---------------------------------------------------
+
+# Keys of plain RoPE: cos/sin depend on theta and the rotated width only, both read from the
+# checkpoint's config (pinned by its digest, or by ``hf_overrides``), never on max_model_len.
+_PLAIN_ROPE_KEYS = frozenset({"rope_type", "rope_theta", "partial_rotary_factor"})
+# the names vLLM's ``patch_rope_parameters`` reads for theta and the rotated fraction
+_THETA_NAMES = ("rope_theta", "rotary_emb_base")
+_FRACTION_NAMES = ("partial_rotary_factor", "rotary_pct", "rotary_emb_fraction")
+# fields beside the rope parameters that vLLM's rope classes or its models read
+_ROPE_FIELDS = (
+    "original_max_position_embeddings",
+    "max_position_embeddings",
+    "max_trained_positions",
+    "rotary_dim",
+    "head_dim",
+    "rope_local_base_freq",
+    "dual_chunk_attention_config",
+)
+# where a multimodal checkpoint keeps its language model's config (vLLM: get_hf_text_config)
+_TEXT_SECTIONS = ("text_config", "llm_config", "language_config")
+
+
+def _canonical(value: Any) -> Any:
+    """Numbers as floats (a config's ``10000`` and ``10000.0`` rotate alike), containers
+    recursively, so only a difference vLLM would act on changes the digest."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, dict):
+        return {str(k): _canonical(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    return str(value)
+
+
+def _first(fields: dict[str, Any], names: tuple[str, ...]) -> Any:
+    return next((fields[n] for n in names if fields.get(n) is not None), None)
+
+
+def _rope_layers(fields: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The rope parameters vLLM hands ``get_rope``, one dict per layer type ("" if shared),
+    from a text config's fields.
+
+    As vLLM 0.32 reads them (``transformers_utils/config.py``): ``rope_parameters`` when the
+    config has it (transformers 5 folds ``rope_theta``, ``rope_scaling`` and
+    ``partial_rotary_factor`` into it), else ``rope_scaling`` with theta and the rotated
+    fraction under any of their legacy names (``patch_rope_parameters``); the legacy ``type``
+    key becomes ``rope_type`` and ``su`` becomes ``longrope`` (``patch_legacy_rope_type``)."""
+    params = fields.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        nested = all(isinstance(v, dict) for v in params.values())  # per layer type
+        layers = {str(k): dict(v) for k, v in params.items()} if nested else {"": dict(params)}
+    else:
+        scaling = fields.get("rope_scaling")
+        layer = dict(scaling) if isinstance(scaling, dict) else {}
+        theta, fraction = _first(fields, _THETA_NAMES), _first(fields, _FRACTION_NAMES)
+        if theta is not None:
+            layer.setdefault("rope_theta", theta)
+        if fraction is not None:
+            layer.setdefault("partial_rotary_factor", fraction)
+        layers = {"": layer} if layer else {}
+    for layer in layers.values():
+        legacy = layer.pop("type", None)  # transformers keeps the legacy key beside rope_type
+        kind = str(layer.get("rope_type") or legacy or "default")
+        layer["rope_type"] = "longrope" if kind == "su" else kind
+    return layers
+
+
+def _is_plain(layer: dict[str, Any]) -> bool:
+    return layer["rope_type"] == "default" and set(layer) <= _PLAIN_ROPE_KEYS
+
+
+def _max_len_dependence(
+    layer: dict[str, Any], fields: dict[str, Any], max_model_len: int
+) -> str | None:
+    """What of ``max_model_len`` this layer's rotation depends on in vLLM 0.32, or None.
+
+    - ``longrope`` (Phi-3's LongRoPE; ``phi3_long_rope_scaled_rope.py``): vLLM rotates every
+      position with the long factors when ``max_model_len > original_max_position_embeddings``
+      and with the short ones otherwise, so two vLLMs on either side of that line compute
+      different K for the same tokens, two on the same side the same K;
+    - ``dynamic`` NTK with ``max_trained_positions`` (``dynamic_ntk_scaling_rope.py``): the
+      base is scaled by ``max_position / max_trained_positions``, and some models pass
+      ``max_model_len`` as ``max_position`` (without ``max_trained_positions`` get_rope sets
+      it to ``max_position`` and the base is unscaled).
+    Every other kind (default, linear, ntk, llama3, yarn, deepseek_yarn, mrope, ...) sizes
+    its cos/sin table by ``max_position`` but computes each position's row alike.
+    """
+    kind = layer["rope_type"]
+    if kind == "longrope":
+        original = layer.get("original_max_position_embeddings") or fields.get(
+            "original_max_position_embeddings"
+        )
+        if original:
+            return "long" if max_model_len > int(original) else "short"
+        return f"max_model_len={max_model_len}"
+    trained = layer.get("max_trained_positions") or fields.get("max_trained_positions")
+    if kind == "dynamic" and "factor" in layer and trained:
+        return f"max_model_len={max_model_len}"
+    return None
+
+
+def _merge(config: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """``hf_overrides`` onto a config dict as vLLM applies them: a dict onto a nested config
+    key by key (``_apply_dict_overrides``), anything else replaced."""
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict) and key in _TEXT_SECTIONS:
+            _merge(config[key], value)
+        else:
+            config[key] = value
+
+
+def _checkpoint_text_config(mc: Any) -> dict[str, Any] | None:
+    """The checkpoint's own text config (config.json, ``hf_overrides`` applied), or None
+    where there is none to read (a GGUF file, Mistral's params.json, a hub model not in the
+    local cache).
+
+    Read from the file, not from ``mc.hf_text_config``: vLLM's models edit that object in
+    place when they are built (``deepseek_v2.py`` turns ``yarn`` into ``deepseek_yarn``,
+    ``glm4.py`` adds ``partial_rotary_factor``, ...), and they are built in the worker
+    processes, after the config was sent there, never in the engine-core process that runs
+    the scheduler side: a digest of that object would give the two sides of one vLLM
+    different namespaces. The file is the same for both."""
+    source = str(getattr(mc, "hf_config_path", None) or mc.model)
+    folder: Path | None = Path(source)
+    if not folder.is_dir():
+        folder = _hub_snapshot(source, getattr(mc, "revision", None))
+    if folder is None or not (folder / "config.json").is_file():
+        return None
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    overrides = getattr(mc, "hf_overrides", None)
+    if isinstance(overrides, dict):
+        _merge(config, overrides)
+    for section in _TEXT_SECTIONS:
+        text = config.get(section)
+        if isinstance(text, dict) and any(
+            k in text for k in ("rope_parameters", "rope_scaling", *_THETA_NAMES)
+        ):
+            return text
+    return config
+
+
+def _loaded_text_config(mc: Any) -> dict[str, Any]:
+    """The rope fields of vLLM's loaded text config (the fallback: see _checkpoint_text_config
+    for why only the long/short switch is taken from it)."""
+    text = getattr(mc, "hf_text_config", None) or mc.hf_config
+    names = ("rope_parameters", "rope_scaling", *_THETA_NAMES, *_FRACTION_NAMES, *_ROPE_FIELDS)
+    return {n: getattr(text, n) for n in names if getattr(text, n, None) is not None}
+
+
+def rope_signature(model_config: Any) -> str | None:
+    """What of the rotary embedding vLLM applies to K pins the namespace; None for plain RoPE.
+
+    K is stored after RoPE, so two vLLMs share KV only where they rotate alike. For a rope
+    other than plain RoPE it is the rope kind, ``max_model_len``'s part where the kind's
+    output depends on it (``_max_len_dependence``: LongRoPE's long/short switch), and a
+    digest of every layer type's rope parameters with the fields vLLM's rope classes read
+    beside them, after ``hf_overrides``. Plain RoPE gives None, so the namespace of a plain
+    deployment is the one it always had: its theta and rotated width are in config.json,
+    which the checkpoint digest (or ``hf_overrides``) already pins, and no max_model_len
+    changes it. Where the checkpoint's config.json cannot be read, only the long/short
+    switch is taken (from vLLM's loaded config; see _checkpoint_text_config).
+    """
+    fields = _checkpoint_text_config(model_config)
+    from_file = fields is not None
+    if fields is None:
+        fields = _loaded_text_config(model_config)
+    layers = _rope_layers(fields)
+    dual_chunk = fields.get("dual_chunk_attention_config")
+    if all(_is_plain(layer) for layer in layers.values()) and not dual_chunk:
+        return None
+    max_model_len = int(getattr(model_config, "max_model_len", 0) or 0)
+    depends = {
+        name: dep
+        for name, layer in layers.items()
+        if (dep := _max_len_dependence(layer, fields, max_model_len)) is not None
+    }
+    # the kinds and the long/short switch in clear, for whoever reads a namespace in a log
+    kinds = "+".join(sorted({layer["rope_type"] for layer in layers.values()})) or "none"
+    switch = ",".join(sorted(set(depends.values())))
+    label = f"{kinds}@{switch}" if switch else kinds
+    if not from_file:
+        return label if switch else None
+    signature = {
+        "layers": _canonical(layers),
+        "fields": _canonical({n: fields[n] for n in _ROPE_FIELDS if n in fields}),
+        "max_len": depends,
+    }
+    digest = hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:32]
+    return f"{label}:{digest}"
+
+
 def vllm_namespace(vllm_config: Any, cfg: VLLMConnectorConfig) -> Namespace:
     mc = vllm_config.model_config
     hf = mc.hf_config
@@ -174,6 +380,10 @@ def vllm_namespace(vllm_config: Any, cfg: VLLMConnectorConfig) -> Namespace:
     elif callable(overrides):
         # a function cannot be compared across processes: pin what it produced instead
         extra["hf_config"] = hashlib.sha256(hf.to_json_string().encode()).hexdigest()
+    rope = rope_signature(mc)
+    if rope is not None:
+        # post-RoPE K depends on vLLM's effective rope (and, for LongRoPE, max_model_len)
+        extra["rope"] = rope
     impl = str(getattr(mc, "model_impl", "auto") or "auto")
     if impl not in ("auto", "vllm", "ModelImpl.AUTO", "ModelImpl.VLLM"):
         extra["model_impl"] = impl

@@ -1,26 +1,32 @@
 """Restores: pull kvcloud objects into staging and write them, verified, into vLLM's blocks.
 
-A restore runs beside the forward pass unless the scheduler side put it in the step (its
-spec says ``sync``: ``load_mode=sync``, or ``auto`` when measured short), so a slow store
-makes no forward pass wait beyond that. ``start_load_kv`` hands each restore to
-a load thread, which pulls every matched object in parallel, each streamed straight into its own
-slice of a staging array in kvcloud's layout and hashed as it lands, and writes each layer of
-each chunk into the request's blocks as soon as that layer is verified — blocks no forward pass
-reads until vLLM is told the load is over (or, in the step, until that layer is written).
-After each step ``get_finished`` reports the restores that are over: done, or past
-``load_timeout`` (then abandoned: the thread may finish pulling into staging, but it can
-no longer touch vLLM's blocks). A chunk that is missing, corrupt, late or unreachable — and
-every chunk after it — is reported through ``get_block_ids_with_load_errors`` in that same
-pass, before the request is ever scheduled, so vLLM recomputes exactly those tokens. For a
-restore in the step, ``start_load_kv`` returns at once and ``wait_for_layer_load(layer)``
-waits until that layer of every such restore is written (at most until its deadline:
-``load_timeout``, or four ``sync_budget_ms`` for one ``auto`` put there), so layer 0 computes
-while later layers are still arriving; a restore past its deadline is abandoned between two
-layer writes, and its failed blocks are reported after that same step (vLLM then discards
-the step's output for the request and recomputes).
-No byte reaches vLLM's cache before it is verified: each layer of a chunk is checked against
-its digest in the header before it is written (DESIGN §4.3); the blocks of a chunk whose later
-layer fails are reported for recompute with it. Nothing here raises into vLLM.
+A restore runs beside the forward pass unless the scheduler side put it in the step (its spec
+says ``sync``: ``load_mode=sync``, or ``auto`` when measured short), so a slow store makes no
+forward pass wait beyond that. ``start_load_kv`` hands each restore beside the pass to a load
+thread, which pulls every matched object in parallel (on the store's threads), and each chunk of
+a restore in the step to a thread of its own (never queued behind a restore beside the pass, nor
+behind its pulls on the store's threads). Each object is streamed straight into its own slice of
+a staging array in kvcloud's layout and hashed as it lands, and each layer of each chunk is
+written into the request's blocks as soon as that layer is verified — blocks no forward pass
+reads until vLLM is told the load is over (or, in the step, until that layer is written). After
+each step ``get_finished`` reports the restores that are over: done, or past their deadline
+(then abandoned: the thread may finish pulling into staging, but it can no longer touch vLLM's
+blocks). The deadline is ``load_timeout`` from when the restore's pull started; a restore still
+queued on this worker ``load_timeout`` after it was submitted is given up too, but the store
+never had it: that is not counted against the store (its breaker, the objects remembered as
+bad). A chunk that is missing, corrupt, late or unreachable — and every chunk after it — is
+reported through ``get_block_ids_with_load_errors`` in that same pass, before the request is
+ever scheduled, so vLLM recomputes exactly those tokens. For a restore in the step,
+``start_load_kv`` returns at once and ``wait_for_layer_load(layer)`` waits until that layer of
+every such restore is written (at most until its deadline: ``load_timeout``, or four
+``sync_budget_ms`` for one ``auto`` put there), so layer 0 computes while later layers are still
+arriving; a restore past its deadline is abandoned between two layer writes, and its failed
+blocks are reported after that same step (vLLM then discards the step's output for the request
+and recomputes). Where a full CUDA graph may replay the step, no per-layer hook runs:
+``start_load_kv`` then returns only once every restore in the step is written or given up
+(``full_graphs``). No byte reaches vLLM's cache before it is verified: each layer of a chunk is
+checked against its digest in the header before it is written (DESIGN §4.3); the blocks of a
+chunk whose later layer fails are reported for recompute with it. Nothing here raises into vLLM.
 
 A circuit breaker on the store, and a memory of objects whose pull failed or timed out,
 keep a sick store from costing every request a timeout; both are reported to the scheduler
@@ -43,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...client import ChunkRef, Match
+from ...client import ChunkRef, Match, PullResult
 from ...indexes.base import IndexEntry
 from .._torch import to_numpy
 from .device import PASSED, Fence
@@ -73,8 +79,11 @@ TORCH_DTYPES = {
 class Load:
     spec: LoadSpec
     staging: torch.Tensor  # [chunks, layers, 2, chunk_tokens, heads, dim]
+    # when it is given up (clock): its submission plus ``timeout`` while it is queued here,
+    # then its pull's start plus ``timeout`` (the store is answerable from then on only)
     deadline: float
-    future: cf.Future[int] | None = None  # chunks verified and written into vLLM's blocks
+    # chunks verified and written into vLLM's blocks, once every pull of the restore ended
+    future: cf.Future[int] | None = None
     # held while a layer of a chunk is written into vLLM's blocks, and to abandon the restore
     lock: threading.Lock = field(default_factory=threading.Lock)
     layer_in: threading.Condition = field(init=False)  # on ``lock``: a layer written, or over
@@ -85,6 +94,13 @@ class Load:
     ended: float = 0.0  # when the thread was done with it (monotonic), 0 while running
     pulled: int = 0  # bytes pulled
     after: Fence = PASSED  # the engine's work queued before the blocks were handed over
+    timeout: float = 0.0  # seconds its pull may run
+    started: float | None = None  # when its pull started (clock); None while queued here
+    began: float = 0.0  # the same, monotonic (for the counters)
+    parts: int = 0  # pulls not yet ended: one beside the pass, one per chunk in the step
+    results: list[tuple[range, PullResult]] = field(default_factory=list)  # per pull
+    errors: list[BaseException] = field(default_factory=list)  # pulls that raised
+    write_s: float = 0.0  # seconds writing into vLLM's blocks (writes are serialized)
 
     def __post_init__(self) -> None:
         self.layer_in = threading.Condition(self.lock)
@@ -116,6 +132,24 @@ class _Moved:
         return out
 
 
+class LoadPools:
+    """The load threads: restores beside the pass on ``load_threads`` of them, the chunks of
+    restores in the step on threads of their own, so the forward pass never waits behind a
+    restore it does not read (one queue let a busy store stall every in-step restore, and
+    time spent queued here read as a store outage)."""
+
+    def __init__(self, beside: int, in_step: int) -> None:
+        self.beside = cf.ThreadPoolExecutor(beside, thread_name_prefix="kvcloud-load")
+        self.in_step = cf.ThreadPoolExecutor(in_step, thread_name_prefix="kvcloud-load-step")
+
+    def submit(self, in_step: bool, fn: Callable[..., Any], *args: Any) -> cf.Future[Any]:
+        return (self.in_step if in_step else self.beside).submit(fn, *args)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        for pool in (self.in_step, self.beside):
+            pool.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
 class Restores:
     """The restore machinery of the worker side, mixed into WorkerSide: loads in flight,
     staging memory, the store's circuit breaker and the objects remembered as bad."""
@@ -136,7 +170,13 @@ class Restores:
 
     def __init__(self, cfg: VLLMConnectorConfig, clock: Any) -> None:
         self._clock = clock
-        self._pool = cf.ThreadPoolExecutor(cfg.load_threads, thread_name_prefix="kvcloud-load")
+        # a restore in the step pulls each chunk on a thread of its own (threads start only
+        # when needed): as many at once as the store reads in parallel for one beside it
+        store_threads = int(getattr(getattr(self.client, "store", None), "max_workers", 1))
+        self._pool = LoadPools(cfg.load_threads, max(cfg.load_threads, store_threads))
+        # full CUDA graphs may replay a step, running no per-layer hook: restores in the step
+        # are then whole before start_load_kv returns (WorkerSide sets it from vLLM's config)
+        self.full_graphs = False
         self._loads: dict[str, Load] = {}  # by request id, until reported finished
         # restores the forward pass of this step reads (load_mode=sync, or auto when short):
         # it waits for each layer (wait_for_layer_load); they are settled after the pass
@@ -174,14 +214,85 @@ class Restores:
         until its deadline, then abandoned; what failed is reported after this step. They
         are never reported as asynchronous loads."""
         loads, self._stepping = self._stepping, []
-        futures = [load.future for load in loads if load.future is not None]
-        if futures:
-            latest = max(load.deadline for load in loads)
-            cf.wait(futures, timeout=max(0.0, latest - self._clock()))
         for load in loads:
-            now = self._clock()
-            ok = self._outcome(load, max(now, load.deadline))
-            self._settle(load, ok or 0)
+            self._await(load)
+        for load in loads:
+            self._settle(load, self._outcome(load, self._clock(), force=True) or 0)
+
+    def _layer_written(self, load: Load, layer: int) -> bool:
+        """Until the restore has written ``layer`` of each chunk, or is over, or given up
+        (True); False once its deadline passed first."""
+        with load.lock:
+            while not (load.over or load.abandoned or load.written[layer] >= load.limit):
+                # read again after each wake: the deadline moves when the pull starts
+                left = load.deadline - self._clock()
+                if left <= 0:
+                    return False
+                load.layer_in.wait(left)
+            return True
+
+    def _await(self, load: Load) -> None:
+        """Until the restore is over or past its deadline (which moves once its pull starts:
+        the wait is cut in pieces and the deadline read again after each)."""
+        future = load.future
+        if future is None:
+            return
+        while not future.done():
+            left = load.deadline - self._clock()
+            if left <= 0:
+                return
+            cf.wait([future], timeout=left)
+
+    def _complete_stepping(self) -> None:
+        """Before a pass a full CUDA graph may replay (``full_graphs``): no
+        ``wait_for_layer_load`` will run, so every restore in the step is waited for here
+        until it is over, or given up at its deadline (then nothing more is written under
+        the pass's reads; it is reported failed after the step). Then the engine's stream
+        waits for the block writes queued on the load stream."""
+        for load in self._stepping:
+            future = load.future
+            while future is not None and not future.done():
+                self._await(load)
+                # past its deadline: given up; not if its pull just started (a later
+                # deadline: wait again) or is over (every write done)
+                if future.done() or self._expire(load) or load.over:
+                    break
+        self.streams.after_loads()
+
+    def _expire(self, load: Load, force: bool = False) -> bool:
+        """Give up a restore past its deadline (or, with ``force``, now), between two layer
+        writes: none is written after this (vLLM may give the blocks to another request),
+        whatever was is recomputed. Blamed on the store (its breaker told, the first object
+        remembered as bad, ``load_timeouts``) only if the store had it the whole timeout;
+        one given up while queued on this worker (``load_queue_timeouts``) never reached
+        the store, or too late to blame it. Returns whether the restore is given up (not
+        when its pull is over: its writes are done and its outcome a moment away)."""
+        now = self._clock()
+        with load.lock:
+            if load.abandoned:
+                return True
+            if load.over or (now < load.deadline and not force):
+                return False
+            load.abandoned = True
+            blame = load.started is not None and now >= load.started + load.timeout
+        if not blame:
+            log.warning(
+                "kvcloud restore of %s given up: it waited on this worker's load threads "
+                "for most of its %.2fs, not on the store: recomputing (too few load_threads?)",
+                load.spec.req_id,
+                load.timeout,
+            )
+            self.count(load_queue_timeouts=1)
+            return True
+        log.warning(
+            "kvcloud restore of %s ran past its timeout (%.2fs): recomputing",
+            load.spec.req_id,
+            load.timeout,
+        )
+        self.count(load_timeouts=1)
+        self._remember_bad(load.spec.chunks[0].object_key)
+        self.store_breaker.failure("restore timed out", timeout=True)
+        return True
 
     def _is_bad(self, key: str) -> bool:
         with self._meta_lock:
@@ -216,89 +327,151 @@ class Restores:
                 return self._kept
         return self.streams.host_empty(shape, dtype)
 
-    def _restore(self, load: Load) -> int:
-        """On a load thread: pull and verify into staging, then write into vLLM's blocks
-        unless the restore was abandoned meanwhile. Returns the chunks written."""
-        spec = load.spec
-        c = self.ns.chunk_tokens
-        refs = tuple(
-            ChunkRef(ch.position, ch.fp, ch.parent, IndexEntry(ch.object_key, c, ch.size, 0.0))
-            for ch in spec.chunks[: load.limit]
-        )
-        m = Match(self.ns, spec.tenant, refs, refs[-1].position + 1)
-        started = time.monotonic()
-        try:
-            return self._pull_and_write(load, m)
-        finally:
-            load.ended = time.monotonic()
-            self.count(loads=1, load_us=int(1e6 * (load.ended - started)))
-            if load.pulled:
-                moved = self._in_step if self._in_step_load(spec) else self._beside
-                with self._meta_lock:
-                    moved.bytes += load.pulled
-                    moved.seconds += load.ended - started
+    def _submit(self, load: Load) -> None:
+        """Start a restore's pulls. Beside the pass, one on a load thread (the store's
+        threads pull its chunks in parallel). In the step, one per chunk on the in-step
+        threads, each reading its object on that thread: not on the store's threads, where
+        it would queue behind the pulls of restores beside the pass."""
+        in_step = self._in_step_load(load.spec)
+        n = load.limit
+        parts = [range(i, i + 1) for i in range(n)] if in_step else [range(n)]
+        load.future = cf.Future()
+        load.parts = len(parts)
+        for part in parts:
+            self._pool.submit(in_step, self._restore, load, part)
 
-    def _pull_and_write(self, load: Load, m: Match) -> int:
-        """Pull the chunks; each layer of each chunk is written into its blocks as soon as it
-        is verified (object format 3 verifies layer by layer), so the forward pass of a
+    def _restore(self, load: Load, part: range) -> None:
+        """On a load thread: pull the chunks ``part`` of a restore, each layer written into
+        vLLM's blocks once verified, unless the restore was given up meanwhile (then, still
+        queued, it never reaches the store). The last pull to end completes the restore."""
+        with load.lock:
+            go = not load.abandoned
+            if go and load.started is None:
+                # the store has it from now on: its deadline counts from here
+                load.started = self._clock()
+                load.deadline = load.started + load.timeout
+                load.began = time.monotonic()
+        result: PullResult | None = None
+        error: BaseException | None = None
+        if go:
+            try:
+                result = self._pull_part(load, part)
+            except Exception as exc:  # reported failed (recomputed), never raised into vLLM
+                error = exc
+        with load.lock:
+            if result is not None:
+                load.results.append((part, result))
+            if error is not None:
+                load.errors.append(error)
+            load.parts -= 1
+            last = load.parts == 0
+        if last:
+            self._end(load)
+
+    def _pull_part(self, load: Load, part: range) -> PullResult:
+        """Pull chunks ``part``; each layer of each chunk is written into its blocks as soon
+        as it is verified (object format 3 verifies layer by layer), so the forward pass of a
         restore in the step can run layer l while later layers are still in flight."""
         spec = load.spec
-        started = time.monotonic()
+        c = self.ns.chunk_tokens
+        chunks = spec.chunks[part.start : part.stop]
+        refs = tuple(
+            ChunkRef(ch.position, ch.fp, ch.parent, IndexEntry(ch.object_key, c, ch.size, 0.0))
+            for ch in chunks
+        )
+        m = Match(self.ns, spec.tenant, refs, refs[-1].position + 1)
         device = self.streams.device
         targets = [
             [(a, b, block_index(ch.block_ids[a:b], device)) for a, b in _spans(ch.block_ids)]
-            for ch in spec.chunks[: load.limit]
+            for ch in chunks
         ]
         names = {layer: name for name, layer in self.layer_index.items()}
-        write_s = 0.0
 
-        def write(i: int, layer: int) -> None:
-            nonlocal write_s
+        def write(j: int, layer: int) -> None:
+            i = part.start + j
             with load.lock:  # writes are serialized, so their seconds add up to wall time
                 if load.abandoned:
                     return  # vLLM may have given the blocks to another request
                 t0 = time.monotonic()
                 with self.streams.loading(load.after):
-                    self._write_layer(load, names[layer], i, layer, targets[i])
-                write_s += time.monotonic() - t0
+                    self._write_layer(load, names[layer], i, layer, targets[j])
+                load.write_s += time.monotonic() - t0
                 load.written[layer] += 1
                 load.layer_in.notify_all()
 
-        try:
-            res = self.client.pull_into(
-                m,
-                list(to_numpy(load.staging[: load.limit])),
-                heads=self.shard.heads,
-                layers=self.shard.layers,
-                on_layer=write,
-            )
-        finally:
-            with load.lock:
-                load.over = True
-                load.layer_in.notify_all()
-        log.debug(
-            "kvcloud: pulled %d of %d chunks (%d bytes) for %s in %.0f ms",
-            res.chunks,
-            len(m.chunks),
-            res.bytes,
-            spec.req_id,
-            1e3 * (time.monotonic() - started),
+        return self.client.pull_into(
+            m,
+            list(to_numpy(load.staging[part.start : part.stop])),
+            heads=self.shard.heads,
+            layers=self.shard.layers,
+            on_layer=write,
         )
-        self.count(loaded_bytes=res.bytes)
-        load.pulled = res.bytes
-        unreachable = [pos for pos, reason in res.failures if reason == "unavailable"]
+
+    def _end(self, load: Load) -> None:
+        """Every pull of a restore ended: it is over (nothing more is written); tell the
+        store's breaker, remember the first unreachable object as bad, count, and complete
+        the restore's future with the chunks written (the run of good chunks from the first;
+        0 if it was given up meanwhile)."""
         with load.lock:
+            load.over = True
+            load.layer_in.notify_all()
             abandoned = load.abandoned
+        load.ended = time.monotonic()
+        written = 0
+        try:
+            written = self._account(load, abandoned)
+        except Exception as exc:  # bookkeeping only: the restore still ends
+            log.warning("kvcloud: ending the restore of %s: %s", load.spec.req_id, exc)
+        finally:
+            assert load.future is not None
+            # given up meanwhile: reported failed, whatever was written is recomputed
+            load.future.set_result(0 if abandoned else written)
+
+    def _account(self, load: Load, abandoned: bool) -> int:
+        """What a restore's pulls did: counted, told to the breaker and the memory of bad
+        objects. Returns the chunks written: the run of good chunks from the first."""
+        spec = load.spec
+        good = [False] * load.limit
+        unreachable: list[int] = []
+        pulled = 0
+        for part, res in load.results:
+            for j in range(res.chunks):  # each pull's good run from its first chunk
+                good[part.start + j] = True
+            pulled += res.bytes
+            unreachable += [pos for pos, reason in res.failures if reason == "unavailable"]
+        written = next((i for i, ok in enumerate(good) if not ok), load.limit)
+        for exc in load.errors[:1]:
+            log.warning("kvcloud restore of %s failed: %s: recomputing", spec.req_id, exc)
+        load.pulled = pulled
+        if load.started is not None:  # it ran (one given up still queued never did)
+            seconds = load.ended - load.began
+            log.debug(
+                "kvcloud: pulled %d of %d chunks (%d bytes) for %s in %.0f ms",
+                written,
+                load.limit,
+                pulled,
+                spec.req_id,
+                1e3 * seconds,
+            )
+            self.count(
+                loads=1,
+                load_us=int(1e6 * seconds),
+                load_write_us=int(1e6 * load.write_s),
+                loaded_bytes=pulled,
+            )
+            if pulled:
+                moved = self._in_step if self._in_step_load(spec) else self._beside
+                with self._meta_lock:
+                    moved.bytes += pulled
+                    moved.seconds += seconds
         if unreachable:
-            first = unreachable[0] - spec.chunks[0].position
+            first = min(unreachable) - spec.chunks[0].position
             self._remember_bad(spec.chunks[first].object_key)
             self.store_breaker.failure("store errors")
-        elif res.chunks and not abandoned:
+        elif written and not abandoned:
             # (a pull that answered after its deadline was too slow: no proof of health)
             self.store_breaker.success()
-        self.count(load_write_us=int(1e6 * write_s))
-        # abandoned meanwhile: reported failed, whatever was written is recomputed
-        return 0 if abandoned else res.chunks
+        return written
 
     def _write_layer(
         self, load: Load, name: str, i: int, layer: int, spans: list[tuple[int, int, Blocks]]
@@ -311,28 +484,22 @@ class Restores:
         for a, b, ids in spans:
             layout.scatter(cache, ids, kv[:, a * bs : b * bs])
 
-    def _outcome(self, load: Load, now: float) -> int | None:
-        """Chunks written for a finished restore; None while it is still running."""
+    def _outcome(self, load: Load, now: float, force: bool = False) -> int | None:
+        """Chunks written for a finished restore; None while it is still running. With
+        ``force`` (after the pass, for a restore in the step) it is finished now: given up
+        unless its pull is over."""
         future = load.future
         if future is None:
             return 0
         if not future.done():
-            if now < load.deadline:
+            if now < load.deadline and not force:
                 return None
-            with load.lock:
-                # taken between two layer writes: none is written after this (vLLM may give
-                # the blocks to another request), whatever was is recomputed
-                load.abandoned = True
-            log.warning(
-                "kvcloud restore of %s ran past its timeout (%.2fs): recomputing",
-                load.spec.req_id,
-                self._timeout(load.spec),
-            )
-            self.count(load_timeouts=1)
-            self._remember_bad(load.spec.chunks[0].object_key)
-            self.store_breaker.failure("restore timed out", timeout=True)
-            return 0
+            if self._expire(load, force):
+                return 0
+            if not force:
+                return None  # its pull is over: the outcome is a moment away
         try:
+            # (not done yet only when its pull is over: the rest is bookkeeping)
             return future.result()
         except Exception as exc:  # never into vLLM: the blocks are recomputed instead
             log.warning("kvcloud restore of %s failed: %s: recomputing", load.spec.req_id, exc)

@@ -36,6 +36,9 @@ COUNTERS: dict[str, str] = {
     "lookup_us": "microseconds lookups took, from the request's arrival to the index's answer",
     "lookups_skipped": "requests not looked up because the index breaker was open",
     "lookups_not_waited": "requests vLLM's own cache served fully: their lookup not waited for",
+    "chunks_backfilled": "chunks vLLM's cache held that the index lacked, saved once it answered",
+    "loads_failed_recomputed": "requests whose restore failed from its first block: recomputed",
+    "connector_errors": "exceptions caught in a call from vLLM (logged; the call fell back)",
     "requests_skipped": "requests kvcloud cannot key (prompt embeddings): run without it",
     "index_breaker_opened": "times the index circuit breaker opened",
     "store_breaker_opened": "times the store circuit breaker opened",
@@ -53,6 +56,7 @@ COUNTERS: dict[str, str] = {
     "load_failed_blocks": "blocks vLLM was told to recompute (load failed)",
     "load_timeouts": "restores that ran past load_timeout (auto in the step: four budgets)",
     "loads_refused": "restores failed at once (store breaker open, object remembered bad)",
+    "load_queue_timeouts": "restores given up still queued on this worker: not blamed on the store",
     "missing_objects": "objects named by the index but gone from the store",
     "verify_failures": "objects that failed verification (digest, header, decryption)",
     "store_errors": "store requests that failed (unreachable, timeout)",
@@ -61,8 +65,23 @@ COUNTERS: dict[str, str] = {
     "chunks_already_stored": "chunks the uploader found already in the index",
     "push_failures": "chunks the uploader could not store",
     "upload_dropped": "chunks dropped because the upload queue was full",
+    # counted by the worker as it stops, after its last report: on /metrics only where the
+    # engine reports again (never after a server's stop); the stop's log line says it too
+    "upload_dropped_at_stop": "chunks still unstored when the stop's drain budget ran out",
+    "saves_skipped": "chunks named for saving but not saved (null block of a window, unreadable)",
     "parts_pushed": "parts of chunks (a TP rank's KV heads) newly stored by the uploader",
     "chunks_registered": "chunks in parts this rank registered, its part the last stored (TP > 1)",
+}
+
+
+# observations, each step's sent as a list and exported as histograms
+# (``vllm:kvcloud_<name>``): name -> (documentation, bucket upper bounds)
+HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
+    "save_lag_seconds": (
+        "seconds from a chunk's last token computed (the end of its step) to its entry "
+        "visible in the index; a next turn sent sooner misses that chunk",
+        (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+    ),
 }
 
 
@@ -81,17 +100,31 @@ class KVCloudConnectorStats(KVConnectorStats):
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        merged = Counter({k: v for k, v in self.data.items() if k not in GAUGES})
-        merged.update({k: v for k, v in other.data.items() if k not in GAUGES})
+        plain = (GAUGES, HISTOGRAMS)
+        merged = Counter({k: v for k, v in self.data.items() if not _in(k, plain)})
+        merged.update({k: v for k, v in other.data.items() if not _in(k, plain)})
         gauges = {k: max(self.data.get(k, 0), other.data.get(k, 0)) for k in GAUGES}
+        lists = {
+            k: list(self.data.get(k) or []) + list(other.data.get(k) or [])
+            for k in HISTOGRAMS
+            if k in self.data or k in other.data
+        }
         self.data = {
             **dict(merged),
             **{k: v for k, v in gauges.items() if k in self.data or k in other.data},
+            **lists,
         }
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {k: v for k, v in sorted(self.data.items()) if v or k in GAUGES}
+        out: dict[str, int | float] = {}
+        for k, v in sorted(self.data.items()):
+            if k in HISTOGRAMS:  # for vLLM's log line: how many, and the worst
+                if v:
+                    out[f"{k}_count"], out[f"{k}_max"] = len(v), round(max(v), 4)
+            elif v or k in GAUGES:
+                out[k] = v
+        return out
 
     def is_empty(self) -> bool:
         return not self.data
@@ -110,6 +143,17 @@ class KVCloudPromMetrics(KVConnectorPromMetrics):
             self._counters[name] = {
                 idx: counter.labels(*values) for idx, values in per_engine.items()
             }
+        self._histograms: dict[str, dict[int, Any]] = {}
+        for name, (doc, buckets) in HISTOGRAMS.items():
+            hist = self._histogram_cls(
+                name=f"vllm:kvcloud_{name}",
+                documentation=doc,
+                buckets=list(buckets),
+                labelnames=labelnames,
+            )
+            self._histograms[name] = {
+                idx: hist.labels(*values) for idx, values in per_engine.items()
+            }
         self._gauges: dict[str, dict[int, Any]] = {}
         for name, doc in GAUGES.items():
             gauge = self._gauge_cls(
@@ -122,6 +166,12 @@ class KVCloudPromMetrics(KVConnectorPromMetrics):
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():
+            hist = self._histograms.get(name)
+            if hist is not None:
+                if engine_idx in hist:
+                    for seconds in value or ():
+                        hist[engine_idx].observe(seconds)
+                continue
             gauge = self._gauges.get(name)
             if gauge is not None and engine_idx in gauge:
                 gauge[engine_idx].set(value)
@@ -129,3 +179,7 @@ class KVCloudPromMetrics(KVConnectorPromMetrics):
             per_engine = self._counters.get(name)
             if per_engine is not None and value and engine_idx in per_engine:
                 per_engine[engine_idx].inc(value)
+
+
+def _in(key: str, tables: tuple[dict[str, Any], ...]) -> bool:
+    return any(key in t for t in tables)

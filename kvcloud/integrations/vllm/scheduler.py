@@ -3,11 +3,9 @@
 Tensor-free, and it never waits on the network for more than ``lookup_wait_ms`` per step
 (DESIGN §4, invariant 7):
 
-- **Lookups run on their own threads.** A request's lookup starts when vLLM first sees the
-  request (``on_new_request``). When vLLM asks for its hit, the answer is usually there; if
-  not, ``get_num_new_matched_tokens`` answers ``None`` ("ask again next step") and vLLM
-  schedules every other request meanwhile. A lookup out longer than ``lookup_timeout`` is a
-  miss for that request alone.
+- **Lookups run on their own threads** (lookups.py), waited for within one
+  ``lookup_wait_ms`` per scheduler step; one still out is asked about again at the next
+  step while vLLM schedules every other request.
 - **A circuit breaker on the index.** Consecutive failed or timed-out lookups open it; while
   it is open no request touches the index (a miss at once), until one probe succeeds.
 - **Loads run in the step only when they are short** (``load_mode=auto``, the default): a
@@ -22,6 +20,23 @@ Tensor-free, and it never waits on the network for more than ``lookup_wait_ms`` 
 - **Saves follow the request's KV as it is computed**: each step names the chunks whose last
   token's KV that step computes, prompt chunks during the prefill and (``save_decode``) the
   chunks the answer fills while decoding, which in a chat are the next turn's prompt.
+
+A request's life, as vLLM's calls move it: looked up (``on_new_request``) → planned (its
+hit, ``get_num_new_matched_tokens``) → loading (``update_state_after_alloc``: vLLM gave it
+blocks for the hit) → running and saving (scheduled: ``build_connector_meta``) → finished
+(``request_finished``). The seams, each tested (tests/unit/test_vllm_scheduler_lifecycle.py):
+
+- vLLM asks again for a request it never scheduled only after its load failed from the first
+  block (vLLM freed the blocks): the same offer would fail the same way, so it recomputes;
+- a request resumed after a preemption comes back with all-new blocks, flagged resumed
+  (``resumed_req_ids``) under vLLM's V1 model runner, as a *new* request under the V2 runner
+  GPUs use: either way its saves switch to the new block ids (the old ones are other
+  requests' now), and the chunks it already handed over are not saved twice;
+- a request scheduled before its lookup was back (vLLM's own cache held every block the hit
+  could cover) saves the chunks beyond vLLM's cache at once, and those vLLM's cache held
+  that the index lacks once the lookup answers, from the request's blocks;
+- a load that failed part of the way is recomputed by vLLM from the first failed block, and
+  the chunks from there are saved again.
 
 The hit offered to vLLM is the run of stored chunks beyond vLLM's own prefix-cache hit, cut
 at the last vLLM block before the prompt's final token (vLLM must compute at least one token
@@ -39,37 +54,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...client import KVCloud, Match
+from ...client import KVCloud
 from ...namespace import Namespace
 from .config import VLLMConnectorConfig
-from .keys import SkipRequest, request_scope
+from .lookups import Lookups, Pending, Plan
 from .specs import NULL_BLOCK, KVCloudWorkerMeta, LoadChunk, LoadSpec, SaveChunk, SaveSpec, StepSpec
 
 log = logging.getLogger("vllm.kvcloud")
-
-
-@dataclass
-class _Plan:
-    """A request's lookup: its prompt fingerprints and the kvcloud hit."""
-
-    tenant: str
-    fps: list[bytes]  # every full chunk of the prompt
-    match: Match | None  # None: no hit (miss, failure, skipped)
-    stored: int = 0  # leading chunks known stored without the index (match is None)
-    skip: bool = False  # a request kvcloud cannot key: neither loaded nor saved
-    local: int = 0  # vLLM's own hit when the load was offered
-    external: int = 0  # tokens offered beyond it
-    sync: bool = False  # the load runs in the step that schedules the request
-    block_ids: list[int] = field(default_factory=list)
-
-
-@dataclass
-class _Pending:
-    """A lookup in flight."""
-
-    future: cf.Future[_Plan]
-    started: float
-    asked: bool = False  # vLLM has asked for this request's hit before
 
 
 @dataclass
@@ -81,9 +72,14 @@ class _Saving:
     next_chunk: int
     block_ids: list[int] = field(default_factory=list)
     request: Any = None  # vLLM's Request: its tokens grow while it decodes (save_decode)
+    # scheduled before its lookup was back, the chunks vLLM's own cache held (those below
+    # ``unsure``) were not saved then; once the lookup answers, the ones the index lacks are
+    # saved from the request's blocks (it holds them while it runs)
+    unsure: int = 0
+    lookup: cf.Future[Plan] | None = None
 
 
-class SchedulerSide:
+class SchedulerSide(Lookups):
     def __init__(
         self,
         cfg: VLLMConnectorConfig,
@@ -97,9 +93,10 @@ class SchedulerSide:
         self.client = client
         self.block_size = block_size
         self._clock = clock
-        self._plans: dict[str, _Plan] = {}
-        self._pending: dict[str, _Pending] = {}
-        self._loads: dict[str, _Plan] = {}  # offered and allocated, not yet in metadata
+        self._plans: dict[str, Plan] = {}
+        self._pending: dict[str, Pending] = {}
+        self._loads: dict[str, Plan] = {}  # offered and allocated, not yet in metadata
+        self._refused: dict[str, LoadSpec] = {}  # allocated loads that failed to plan
         self._saving: dict[str, _Saving] = {}
         self._requests: dict[str, Any] = {}  # vLLM's Request of each request seen, for saves
         self.stats: Counter[str] = Counter()
@@ -115,6 +112,10 @@ class SchedulerSide:
         # averages; None until one is measured): what load_mode=auto predicts from
         self._rate_in_step: float | None = None
         self._rate_beside: float | None = None
+        # what is left of lookup_wait_ms in this scheduler step: vLLM asks about every
+        # waiting request in one schedule() pass, so a burst of new requests against a slow
+        # index would otherwise block the pass (and every running decode) N waits long
+        self._wait_left = cfg.lookup_wait_ms / 1000
 
     def count(self, **deltas: int) -> None:
         with self._stats_lock:
@@ -124,118 +125,7 @@ class SchedulerSide:
         if new == "open":
             self.count(index_breaker_opened=1)
 
-    # -- lookups ----------------------------------------------------------------------------
-
-    def request_scope_of(self, request: Any) -> str:
-        """The tenant a request's fingerprints are made with (keys.request_scope)."""
-        return request_scope(self.cfg.tenant, request)
-
-    def on_new_request(self, request: Any) -> None:
-        t0 = time.perf_counter_ns()
-        try:
-            self._requests[request.request_id] = request
-            if request.prompt_token_ids and request.request_id not in self._pending:
-                self._start(request)
-        finally:
-            self._scheduler_ns += time.perf_counter_ns() - t0
-
-    def _start(self, request: Any) -> _Plan | None:
-        """Start the request's lookup; a plan at once when the index is not to be touched."""
-        rid = request.request_id
-        try:
-            tenant = request_scope(self.cfg.tenant, request)
-        except SkipRequest as exc:
-            self.count(requests_skipped=1)
-            log.info("kvcloud: request %s runs without kvcloud: %s", rid, exc)
-            plan = self._plans[rid] = _Plan("", [], None, skip=True)
-            return plan
-        if not self.index_breaker.allow():
-            self.count(lookups_skipped=1)
-            # no hit, but the prompt is still saved (a few µs of hashing): the uploader has
-            # a client of its own, and the index may be back before the push goes out
-            fps = self.client.fingerprints(self.ns, list(request.prompt_token_ids), tenant)
-            plan = self._plans[rid] = _Plan(tenant, fps, None)
-            return plan
-        tokens = list(request.prompt_token_ids)
-        future = self._lookups.submit(self._lookup, rid, tenant, tokens, time.perf_counter_ns())
-        self._pending[rid] = _Pending(future, self._clock())
-        return None
-
-    def _lookup(self, rid: str, tenant: str, tokens: list[int], submitted_ns: int) -> _Plan:
-        """On a lookup thread: fingerprints, then one index round trip."""
-        try:
-            return self._lookup_plan(rid, tenant, tokens)
-        finally:
-            # from the request's arrival: a lookup queued behind others, or starved of the
-            # CPU or the GIL by the forward pass, is what defers a request a step
-            self.count(lookup_us=(time.perf_counter_ns() - submitted_ns) // 1000)
-
-    def _lookup_plan(self, rid: str, tenant: str, tokens: list[int]) -> _Plan:
-        t0 = time.perf_counter()
-        fps = self.client.fingerprints(self.ns, tokens, tenant)
-        try:
-            # every full chunk: the hit decides what is loaded and what is already stored
-            match = self.client.lookup_fingerprints(self.ns, fps, tenant=tenant, strict=True)
-        except Exception as exc:  # any failure of the index is a miss, and counts
-            self.count(lookup_errors=1)
-            self.index_breaker.failure(type(exc).__name__)
-            log.debug("lookup %s failed: %s", rid, exc)
-            return _Plan(tenant, fps, None)
-        self.index_breaker.success()
-        log.debug(
-            "lookup %s: %d of %d chunks in kvcloud (%.1f ms)",
-            rid,
-            len(match.chunks),
-            len(fps),
-            (time.perf_counter() - t0) * 1000,
-        )
-        return _Plan(tenant, fps, match)
-
-    def _resolve(self, request: Any) -> _Plan | None:
-        """The request's plan, or None while its lookup is still out (ask again later)."""
-        rid = request.request_id
-        plan = self._plans.get(rid)
-        if plan is not None:
-            return plan
-        pending = self._pending.get(rid)
-        if pending is None:
-            plan = self._start(request)
-            if plan is not None:
-                return plan
-            pending = self._pending[rid]
-        # only the first ask waits (a healthy lookup answers well within it); later asks
-        # just look, so a lookup stuck in a sick index costs each engine step nothing
-        wait = 0.0 if pending.asked else self.cfg.lookup_wait_ms / 1000
-        pending.asked = True
-        try:
-            plan = pending.future.result(timeout=wait)
-        except cf.TimeoutError:
-            waited = self._clock() - pending.started
-            if waited < self.cfg.lookup_timeout and not self.index_breaker.is_open:
-                self.count(lookup_deferrals=1)
-                return None
-            # too long, or the index went down meanwhile: this request runs as a miss
-            self.count(lookup_timeouts=1)
-            if waited >= self.cfg.lookup_timeout:
-                self.index_breaker.failure("lookup timed out", timeout=True)
-            plan = self._miss_plan(request)
-        except Exception as exc:  # a bug in the lookup thread: a miss, never a failed request
-            log.warning("kvcloud lookup for %s failed: %s", rid, exc)
-            plan = self._miss_plan(request)
-        self._pending.pop(rid, None)
-        self.count(lookups=1)
-        self._plans[rid] = plan
-        return plan
-
-    def _miss_plan(self, request: Any) -> _Plan:
-        """A request served as a miss without the index's answer: nothing is loaded, but
-        its chunks (prompt, and answer as the decode fills them) are still saved; the
-        uploader skips those already indexed."""
-        tenant = request_scope(self.cfg.tenant, request)  # it passed in _start already
-        fps = self.client.fingerprints(self.ns, list(request.prompt_token_ids), tenant)
-        return _Plan(tenant, fps, None)
-
-    def _usable_chunks(self, plan: _Plan) -> int:
+    def _usable_chunks(self, plan: Plan) -> int:
         """Leading chunks of the hit that may be offered: the store is up and none of them is
         an object a worker recently failed to pull."""
         if plan.match is None or not plan.match.chunks:
@@ -283,6 +173,14 @@ class SchedulerSide:
         plan = self._resolve(request)
         if plan is None:
             return None, False
+        if plan.offered:
+            # asked again before it was ever scheduled: its load failed from the first block
+            # (vLLM freed the blocks and starts over). Offering the same chunks again would
+            # fail the same way, one full pull per round, forever: recompute, and save what
+            # is recomputed (the index's entries for the bad objects are dropped by the pull)
+            self.count(loads_failed_recomputed=1)
+            plan.match, plan.offered, plan.stored = None, False, 0
+            return 0, False
         usable = self._usable_chunks(plan)
         if usable == 0:
             return 0, False
@@ -294,7 +192,7 @@ class SchedulerSide:
         plan.sync = self._in_step(plan, hit)
         return external, not plan.sync
 
-    def _in_step(self, plan: _Plan, end: int) -> bool:
+    def _in_step(self, plan: Plan, end: int) -> bool:
         """Whether the load runs in the step (vLLM is told ``load_async=False``). ``auto``:
         when the objects it pulls are expected to take at most ``sync_budget_ms`` at the
         rate restores in the step have run; before one has, at twice the rate of those
@@ -312,7 +210,7 @@ class SchedulerSide:
         pulled = sum(ref.entry.size for ref in self._pulled(plan, end))
         return 1000 * pulled / rate <= self.cfg.sync_budget_ms
 
-    def _pulled(self, plan: _Plan, end: int) -> list[Any]:
+    def _pulled(self, plan: Plan, end: int) -> list[Any]:
         """The matched chunks a load of tokens [plan.local, end) pulls: those overlapping
         it. The budget decision and the load spec both use this, so the bytes priced are
         the bytes pulled."""
@@ -332,14 +230,42 @@ class SchedulerSide:
         # blocks it now expects us to fill, and none that it will compute itself
         plan.external = min(plan.external, num_external_tokens)
         plan.block_ids = list(blocks.get_block_ids()[0])
+        plan.offered = True
         self._loads[request.request_id] = plan
         self.count(hit_tokens=plan.external)
         if plan.sync:
             self.count(loads_in_step=1)
 
+    def load_unplanned(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """vLLM allocated blocks for a load this side could not plan (a bug): a load that
+        pulls nothing, so the worker reports those blocks failed and vLLM recomputes them."""
+        plan = self._plans.get(request.request_id)
+        local = plan.local if plan is not None else 0
+        ids = list(blocks.get_block_ids()[0])
+        bs = self.block_size
+        failed = ids[local // bs : (local + max(0, num_external_tokens)) // bs]
+        sync = plan.sync if plan is not None else False
+        self._refused[request.request_id] = LoadSpec(
+            request.request_id, "", [LoadChunk(-1, b"", b"", "", 0, failed)], sync, refused=True
+        )
+
+    def failed_step(self) -> StepSpec:
+        """What a step whose metadata could not be built still sends: each load vLLM
+        expects, refused (reported failed: recomputed), so no request waits for it."""
+        meta = StepSpec()
+        bs = self.block_size
+        for req_id, plan in self._loads.items():
+            ids = plan.block_ids[plan.local // bs : (plan.local + plan.external) // bs]
+            chunk = LoadChunk(-1, b"", b"", "", 0, ids)
+            meta.loads.append(LoadSpec(req_id, "", [chunk], plan.sync, refused=True))
+        meta.loads.extend(self._refused.values())
+        self._loads.clear()
+        self._refused.clear()
+        return meta
+
     # -- metadata ---------------------------------------------------------------------------
 
-    def _load_spec(self, req_id: str, plan: _Plan) -> LoadSpec:
+    def _load_spec(self, req_id: str, plan: Plan) -> LoadSpec:
         assert plan.match is not None
         c, bs = self.ns.chunk_tokens, self.block_size
         per_chunk = c // bs
@@ -371,30 +297,58 @@ class SchedulerSide:
 
     def _build_meta(self, scheduler_output: Any) -> StepSpec:
         meta = StepSpec()
+        # schedule() is over: the next one has a whole lookup_wait_ms again
+        self._wait_left = self.cfg.lookup_wait_ms / 1000
         # every load vLLM allocated blocks for since the last step, whether the request is
         # new or resumed after a preemption (it waits for the load, not scheduled yet)
         for req_id, plan in self._loads.items():
-            meta.loads.append(self._load_spec(req_id, plan))
+            spec = self._load_spec(req_id, plan)
+            if spec.chunks or not spec.sync:
+                # (an asynchronous load with nothing to pull is still reported finished,
+                # or the request would wait for it forever; one in the step is just dropped:
+                # the worker would report a RUNNING request's load finished)
+                meta.loads.append(spec)
         self._loads.clear()
+        meta.loads.extend(self._refused.values())
+        self._refused.clear()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            plan = self._plans.pop(new.req_id, None)
+            rid = new.req_id
+            plan = self._plans.pop(rid, None)
+            saving = self._saving.get(rid)
+            if saving is not None:
+                # a request resumed after a preemption, which vLLM's V2 model runner sends
+                # as a new request (resumed_req_ids stays empty): its blocks are all new,
+                # the old ids belong to other requests now. Chunks already handed over stay
+                # handed over; the rest are saved from the new blocks as they are computed.
+                saving.block_ids = list(new.block_ids[0])
+                computed = new.num_computed_tokens + scheduled.get(rid, 0)
+                self._collect(rid, saving, computed, meta)
+                continue
+            lookup = None
             if plan is None:
-                plan = self._unwaited_plan(new.req_id, new.num_computed_tokens)
+                lookup = self._pending.get(rid)
+                plan = self._unwaited_plan(rid, new.num_computed_tokens)
             if plan is None or plan.skip:
                 continue
-            if self.cfg.write_policy == "off" or new.req_id in self._saving:
+            if self.cfg.write_policy == "off":
                 continue
             stored = len(plan.match.chunks) if plan.match is not None else plan.stored
+            if plan.offered and new.num_computed_tokens < plan.local + plan.external:
+                # its load failed part of the way (vLLM recomputes from the first failed
+                # block): the chunks from there are saved again as they are recomputed
+                stored = min(stored, new.num_computed_tokens // self.ns.chunk_tokens)
             saving = _Saving(
                 plan.tenant,
                 list(plan.fps),
                 stored,
                 list(new.block_ids[0]),
-                self._requests.get(new.req_id) if self.cfg.save_decode else None,
+                self._requests.get(rid) if self.cfg.save_decode else None,
             )
-            computed = new.num_computed_tokens + scheduled.get(new.req_id, 0)
-            self._collect(new.req_id, saving, computed, meta)
+            if lookup is not None and not lookup.future.done():
+                saving.unsure, saving.lookup = stored, lookup.future
+            computed = new.num_computed_tokens + scheduled.get(rid, 0)
+            self._collect(rid, saving, computed, meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if req_id in cached.resumed_req_ids:
@@ -413,33 +367,12 @@ class SchedulerSide:
             self._collect(req_id, saving, computed, meta)
         return meta
 
-    def _unwaited_plan(self, rid: str, local: int) -> _Plan | None:
-        """The plan of a request scheduled without waiting for its lookup: the index's
-        answer if it is back, else its fingerprints with the chunks in vLLM's own cache
-        taken as stored (this server computed and pushed them, or loaded them from kvcloud),
-        so only the chunks beyond are saved. Never waits."""
-        pending = self._pending.pop(rid, None)
-        if pending is None:
-            return None
-        if pending.future.done():
-            try:
-                plan = pending.future.result()
-            except Exception as exc:  # a bug in the lookup thread: no saves for it
-                log.warning("kvcloud lookup for %s failed: %s", rid, exc)
-                return None
-            return plan
-        request = self._requests.get(rid)
-        if request is None:
-            return None
-        plan = self._miss_plan(request)
-        plan.stored = local // self.ns.chunk_tokens
-        return plan
-
     def _collect(self, req_id: str, saving: _Saving, computed: int, meta: StepSpec) -> None:
         """Save the chunks this step completes: prompt chunks, and answer chunks too when the
         request's tokens are followed (``save_decode``)."""
         c, bs = self.ns.chunk_tokens, self.block_size
         per_chunk = c // bs
+        chunks = self._backfill(saving) if saving.lookup is not None else []
         if saving.request is not None:
             # only tokens vLLM has accepted: a step also computes KV for speculative draft
             # tokens it may reject, and with async scheduling the newest token is not known
@@ -451,7 +384,6 @@ class SchedulerSide:
                     self.ns, list(tokens[: computed // c * c]), saving.tenant
                 )
         ready = min(computed // c, len(saving.fps))
-        chunks = []
         done = saving.next_chunk
         for j in range(saving.next_chunk, ready):
             ids = saving.block_ids[j * per_chunk : (j + 1) * per_chunk]
@@ -465,10 +397,41 @@ class SchedulerSide:
         saving.next_chunk = done
         if chunks:
             meta.saves.append(SaveSpec(req_id, saving.tenant, chunks))
-        if saving.request is None and saving.next_chunk >= len(saving.fps):
+        if (
+            saving.request is None
+            and saving.next_chunk >= len(saving.fps)
+            and saving.lookup is None
+        ):
             self._saving.pop(req_id, None)  # every prompt chunk handed over
         else:
             self._saving[req_id] = saving
+
+    def _backfill(self, saving: _Saving) -> list[SaveChunk]:
+        """Once the lookup of a request scheduled without it is back: the chunks vLLM's own
+        cache held that the index lacks (computed here by a request whose saves were lost,
+        or still in flight), saved now from this request's blocks."""
+        future = saving.lookup
+        if future is None or not future.done():
+            return []
+        saving.lookup = None
+        try:
+            plan = future.result()
+        except Exception:  # a bug in the lookup thread: nothing known, nothing saved again
+            return []
+        if plan.skip or plan.failed:
+            return []
+        known = len(plan.match.chunks) if plan.match is not None else 0
+        per_chunk = self.ns.chunk_tokens // self.block_size
+        out = []
+        for j in range(known, min(saving.unsure, len(saving.fps))):
+            ids = saving.block_ids[j * per_chunk : (j + 1) * per_chunk]
+            if len(ids) < per_chunk or NULL_BLOCK in ids:
+                continue
+            parent = saving.fps[j - 1] if j else self.ns.digest
+            out.append(SaveChunk(j, saving.fps[j], parent, ids))
+        if out:
+            self.count(chunks_backfilled=len(out))
+        return out
 
     # -- what the workers report ------------------------------------------------------------
 

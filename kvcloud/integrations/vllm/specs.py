@@ -32,6 +32,9 @@ class LoadSpec:
     # restored inside the step that schedules it (vLLM was told load_async=False): the
     # forward pass waits for it
     sync: bool = False
+    # nothing to pull: the blocks are reported failed at once (the scheduler side could not
+    # plan this load, but vLLM already expects the blocks filled)
+    refused: bool = False
 
 
 @dataclass

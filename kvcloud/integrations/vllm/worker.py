@@ -6,15 +6,18 @@
 ``build_worker_meta``), and saves. How a restore runs, fails and is reported: loads.py, the
 restore machinery WorkerSide mixes in.
 
-Saves: ``save_kv_layer`` copies each layer's slice of the chunks the step completed straight
-into a chunk-sized host buffer right after the layer ran (one strided copy per run of blocks,
-no temporaries; the buffers are pooled, so a save costs no page faults); ``wait_for_save``
-hands whole chunks to a bounded background uploader with a kvcloud client of its own (its own
-connections and threads, so an upload never delays a load), which gives each buffer back once
-pushed. When its queue is full a chunk is dropped and counted, never waited for; it pushes
-object first, entry second. The copy must happen in the step: vLLM may free and reuse a
-running request's blocks at the next schedule (a preemption), so no thread may read them
-later.
+Saves: ``wait_for_save``, which vLLM calls after the forward pass (outside any CUDA graph,
+in both model runners), copies every layer of the chunks the step completed straight into a
+chunk-sized host buffer (one strided copy per run of blocks, no temporaries; the buffers are
+pooled, so a save costs no page faults; on a GPU on the save stream, into pinned memory), and
+hands whole chunks to a bounded background uploader with a kvcloud client of its own (its
+own connections and threads, so an upload never delays a load), which gives each buffer back
+once pushed. ``save_kv_layer`` does nothing: a full CUDA graph replay never calls it, so a
+decode-only step would save nothing. Every chunk named for saving is offered to the uploader
+or counted (``saves_skipped``); when the uploader's queue is full a chunk is dropped and
+counted (``upload_dropped``), never waited for; it pushes object first, entry second. The
+copy must happen in the step: vLLM may free and reuse a running request's blocks at the next
+schedule (a preemption), so no thread may read them later.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,7 +39,7 @@ from .device import Streams
 from .layout import BlockLayout, block_index, learn_layout
 from .loads import TORCH_DTYPES, Load, Restores
 from .shard import Shard, shard_of
-from .specs import NULL_BLOCK, KVCloudWorkerMeta, SaveSpec
+from .specs import NULL_BLOCK, KVCloudWorkerMeta, SaveChunk, SaveSpec
 from .uploader import Uploader
 
 if TYPE_CHECKING:
@@ -46,12 +48,19 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.kvcloud")
 
 
-@dataclass
-class _Save:
-    spec: SaveSpec
-    staging: list[torch.Tensor]  # one [layers, 2, chunk_tokens, heads, dim] per chunk
-    ids: list[torch.Tensor]  # each chunk's block ids, on the cache's device
-    layers_done: set[int] = field(default_factory=set)
+def full_graphs_may_replay(vllm_config: Any) -> bool:
+    """Whether a full CUDA graph may replay this engine's forward passes: vLLM's resolved
+    ``cudagraph_mode`` has full graphs (FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE) and the
+    model is not run eagerly. A replay executes none of the Python around the attention
+    layers, so ``wait_for_layer_load`` and ``save_kv_layer`` do not run in such a step (vLLM
+    asks connectors that need them to return True from
+    ``requires_piecewise_for_cudagraph``; this one does not need them: docs/VLLM.md)."""
+    compilation = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(compilation, "cudagraph_mode", None)
+    if mode is None or not mode.has_full_cudagraphs():
+        return False
+    model = getattr(vllm_config, "model_config", None)
+    return not getattr(model, "enforce_eager", False)
 
 
 class _BufferPool:
@@ -110,8 +119,12 @@ class WorkerSide(Restores):
         self.kv_cache_config = kv_cache_config
         self.block_size = int(vllm_config.cache_config.block_size)
         super().__init__(cfg, clock)  # the restore machinery's state (loads.py)
+        # a full CUDA graph may replay a step: restores in the step are then whole before
+        # start_load_kv returns (no per-layer wait runs); a test may set it
+        self.full_graphs = full_graphs_may_replay(vllm_config)
         self.stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
+        self._lags: list[float] = []  # save lags since the last report (seconds)
         self.upload_client = upload_client
         self.uploader = (
             Uploader(
@@ -124,6 +137,7 @@ class WorkerSide(Restores):
                 parts=self.shard.parts,
                 layers=self.shard.layers,
                 stages=self.shard.stages,
+                observe_lag=self._save_lag,
             )
             if cfg.write_policy != "off" and self.shard.writer
             else None
@@ -131,7 +145,7 @@ class WorkerSide(Restores):
         self.caches: dict[str, torch.Tensor] = {}
         self.layer_index: dict[str, int] = {}
         self.layouts: dict[str, BlockLayout] = {}
-        self._saves: list[_Save] = []
+        self._pending_saves: list[SaveSpec] = []  # this step's, from start_load_kv
         # the engine's device, learned from its caches (register_kv_caches)
         self.streams = Streams("cpu")
         self._buffers = _BufferPool(
@@ -194,8 +208,21 @@ class WorkerSide(Restores):
     # -- loads ------------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KVCloudConnectorMetadata) -> None:
+        """Start this step's restores, and note its saves (copied in ``wait_for_save``).
+        Where a full CUDA graph may replay the pass (``full_graphs``), no
+        ``wait_for_layer_load`` runs in it: every restore in the step is then written (or
+        given up at its deadline) before this returns, and on a GPU the engine's stream
+        waits for the writes."""
+        self._take_saves(meta)
         if self._stepping:  # a step that was never finished (not vLLM's order): settle it
             self._settle_stepping()
+        try:
+            self._start_loads(meta)
+        finally:  # (also when starting raised part of the way: what started is waited for)
+            if self.full_graphs and self._stepping:
+                self._complete_stepping()
+
+    def _start_loads(self, meta: KVCloudConnectorMetadata) -> None:
         specs = [spec for spec in meta.loads if spec.chunks]
         for spec in meta.loads:
             if not spec.chunks:  # nothing to pull (cannot happen from our scheduler side)
@@ -211,7 +238,10 @@ class WorkerSide(Restores):
             # object streams straight in and is hashed as it lands
             staging = buf[first : first + len(spec.chunks)]
             first += len(spec.chunks)
-            load = Load(spec, staging, self._clock() + self._timeout(spec), after=handed_over)
+            timeout = self._timeout(spec)
+            # until its pull starts, the deadline counts from now (a restore queued here as
+            # long as it may run is given up); from its start once it does (loads.py)
+            load = Load(spec, staging, self._clock() + timeout, after=handed_over, timeout=timeout)
             load.written = [0] * self.num_layers
             if self._in_step_load(spec):
                 self._stepping.append(load)
@@ -219,14 +249,31 @@ class WorkerSide(Restores):
                 self._loads[spec.req_id] = load
             if shared:
                 self._kept_users.append(load)
-            load.limit = next(
-                (i for i, ch in enumerate(spec.chunks) if self._is_bad(ch.object_key)),
-                len(spec.chunks),
+            load.limit = (
+                0
+                if spec.refused
+                else next(
+                    (i for i, ch in enumerate(spec.chunks) if self._is_bad(ch.object_key)),
+                    len(spec.chunks),
+                )
             )
             if load.limit == 0 or not self.store_breaker.allow():
                 self.count(loads_refused=1)
                 continue  # no future: reported failed at the next get_finished
-            load.future = self._pool.submit(self._restore, load)
+            self._submit(load)
+
+    def fail_loads(self, meta: KVCloudConnectorMetadata) -> None:
+        """``start_load_kv`` raised part of the way: every load of the step it did not
+        register is reported failed (its blocks recomputed), so no request waits forever."""
+        stepping = {load.spec.req_id for load in self._stepping}
+        for spec in meta.loads:
+            if spec.req_id in self._loads or spec.req_id in stepping:
+                continue
+            load = Load(spec, torch.empty(0), 0.0)  # no future: failed, nothing written
+            if self._in_step_load(spec):
+                self._stepping.append(load)  # its blocks reported failed after the step
+            else:
+                self._loads[spec.req_id] = load  # reported finished (failed) at once
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Called by vLLM's attention before it reads a layer: block until every restore in
@@ -239,12 +286,11 @@ class WorkerSide(Restores):
         for load in self._stepping:
             if load.future is None:
                 continue  # refused: nothing will be written
-            with load.lock:
-                while not (load.over or load.abandoned or load.written[layer] >= load.limit):
-                    left = load.deadline - self._clock()
-                    if left <= 0:
-                        break  # abandoned when the step is settled; reported failed
-                    load.layer_in.wait(left)
+            # past its deadline: given up now, before the pass reads this layer, so nothing
+            # more is written under its reads (reported failed after the step); waited for
+            # again if its pull just started (a later deadline) or just ended
+            while not self._layer_written(load, layer) and not self._expire(load):
+                pass
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """The restores that are over (done, failed or abandoned), their failed blocks noted
@@ -298,71 +344,122 @@ class WorkerSide(Restores):
     def save_kv_layer(
         self, meta: KVCloudConnectorMetadata, layer_name: str, kv_layer: torch.Tensor
     ) -> None:
-        if self.uploader is None or not meta.saves or layer_name not in self.layer_index:
-            return
-        if not self._saves:
-            device = self.streams.device
-            self._saves = [
-                _Save(
-                    spec,
-                    [self._buffers.take() for _ in spec.chunks],
-                    [block_index(ch.block_ids, device) for ch in spec.chunks],
-                )
-                for spec in meta.saves
-                # a chunk partly out of a sliding window is not whole: not saved
-                if not any(b == NULL_BLOCK for ch in spec.chunks for b in ch.block_ids)
-            ]
-        layer = self.layer_index[layer_name]
-        layout = self.layouts[layer_name]
-        started = time.monotonic()
-        with self.streams.saving():
-            for save in self._saves:
-                try:
-                    for ids, staging in zip(save.ids, save.staging, strict=True):
-                        layout.gather_into(kv_layer, ids, staging[layer])
-                    save.layers_done.add(layer)
-                except (LayoutError, RuntimeError, IndexError) as exc:
-                    log.warning("kvcloud: could not read %s for saving: %s", layer_name, exc)
-        self.count(save_us=int(1e6 * (time.monotonic() - started)))
+        """Nothing: a full CUDA graph replay never calls it (it runs in a Python wrapper
+        around the attention op), so every step's saves are copied in ``wait_for_save``."""
+
+    def _take_saves(self, meta: KVCloudConnectorMetadata) -> None:
+        """From ``start_load_kv``, which vLLM calls every step before ``wait_for_save``
+        (before or after the pass): the step's saves, copied in ``wait_for_save``. (The
+        connector hands ``wait_for_save`` no metadata.)"""
+        if self._pending_saves:  # a step without wait_for_save (not vLLM's order)
+            self.count(saves_skipped=sum(len(spec.chunks) for spec in self._pending_saves))
+        self._pending_saves = list(meta.saves) if self.uploader is not None else []
 
     def wait_for_save(self) -> None:
-        saves, self._saves = self._saves, []
+        """After the forward pass, outside any CUDA graph: copy every layer of each chunk
+        the step completed out of vLLM's blocks into a pooled host buffer (on a GPU on the
+        save stream, after the pass's kernels; later kernels wait for the copies), and offer
+        it to the uploader, which waits for the copy before reading it. A chunk that cannot
+        be copied whole is counted as ``saves_skipped``, never offered."""
+        saves, self._pending_saves = self._pending_saves, []
         if self.uploader is None or not saves:
             return
+        started = time.monotonic()
+        device = self.streams.device
+        layers = sorted(self.layer_index.items(), key=lambda item: item[1])
+        copies: list[tuple[SaveSpec, SaveChunk, torch.Tensor]] = []
+        skipped = dropped = 0
+        room = self.uploader.room()
+        with self.streams.saving():
+            for spec in saves:
+                for ch in spec.chunks:
+                    if any(b == NULL_BLOCK for b in ch.block_ids):
+                        skipped += 1  # partly out of a sliding window: not whole
+                        continue
+                    if room <= 0:
+                        dropped += 1  # the queue is full: not even copied
+                        continue
+                    room -= 1
+                    buf = self._buffers.take()
+                    try:
+                        # made on the save stream, which uses it
+                        ids = block_index(ch.block_ids, device)
+                        for name, layer in layers:
+                            self.layouts[name].gather_into(self.caches[name], ids, buf[layer])
+                    except (LayoutError, RuntimeError, IndexError) as exc:
+                        log.warning("kvcloud: could not read chunk %d of %s for saving: %s",
+                                    ch.position, spec.req_id, exc)  # fmt: skip
+                        self._buffers.give(buf)
+                        skipped += 1
+                        continue
+                    copies.append((spec, ch, buf))
         copied = self.streams.after_save()
-        for save in saves:
-            whole = len(save.layers_done) == self.num_layers
-            for ch, staging in zip(save.spec.chunks, save.staging, strict=True):
-                if not (
-                    whole
-                    and self.uploader.offer(
-                        save.spec.tenant,
-                        ch.fp,
-                        ch.parent,
-                        to_numpy(staging),
-                        done=lambda buf=staging: self._buffers.give(buf),
-                        ready=copied.wait,
-                    )
-                ):
-                    self._buffers.give(staging)
+        self.count(save_us=int(1e6 * (time.monotonic() - started)))
+        if skipped:
+            self.count(saves_skipped=skipped)
+        if dropped:
+            self.count(upload_dropped=dropped)
+        for spec, ch, buf in copies:
+            offered = self.uploader.offer(
+                spec.tenant,
+                ch.fp,
+                ch.parent,
+                to_numpy(buf),
+                done=lambda buf=buf: self._buffers.give(buf),
+                ready=copied.wait,
+            )
+            if not offered:  # the queue is full: counted as upload_dropped
+                self._buffers.give(buf)
 
     # -- stats and shutdown -----------------------------------------------------------------
 
-    def take_stats(self) -> dict[str, int]:
+    def _save_lag(self, seconds: float) -> None:
         with self._stats_lock:
-            out = dict(self.stats)
+            if len(self._lags) < 100_000:  # bounded if nobody reads the stats
+                self._lags.append(seconds)
+
+    def take_stats(self) -> dict[str, Any]:
+        with self._stats_lock:
+            out: dict[str, Any] = dict(self.stats)
             self.stats.clear()
+            if self._lags:
+                out["save_lag_seconds"], self._lags = self._lags, []
         gauge = int(self.store_breaker.is_open)
         if gauge != self._store_gauge:
             out["store_breaker_open"] = self._store_gauge = gauge
         return out
 
+    def drain_budget(self) -> float:
+        """Seconds the uploader may push at stop: ``drain_seconds``, within the windows this
+        vLLM gives a stopping worker (``uploader.stop_budget``)."""
+        from .uploader import stop_budget, worker_stop_timeout
+
+        return stop_budget(
+            self.cfg.drain_seconds,
+            float(getattr(self.vllm_config, "shutdown_timeout", 0) or 0),
+            worker_stop_timeout(),
+        )
+
     def shutdown(self) -> None:
+        """vLLM's stop: ``Worker.shutdown`` calls ``ensure_kv_transfer_shutdown``, which
+        calls this, in the ``finally`` a worker process runs on its way out (after SIGTERM,
+        or its engine core closing its death pipe: ``WorkerProc.worker_main``), and from
+        ``EngineCore.shutdown`` where the worker runs in the engine's process. So the drain
+        hangs on this call, not on an atexit handler (by then concurrent.futures refuses
+        new work to the client's transfer pool) nor on a SIGTERM handler (a worker need not
+        get one: under Kubernetes only the API server does, and the worker learns of the
+        stop from its death pipe). The uploader pushes what is still queued for as long as
+        vLLM lets this worker live (``drain_budget``), then gives up on the rest, logged and
+        counted."""
+        dropped = 0
         if self.uploader is not None:
-            self.uploader.close()
+            dropped = self.uploader.close(self.drain_budget())
         self._pool.shutdown(wait=False, cancel_futures=True)
+        # a push still under way past the budget keeps its client open: closing it would
+        # wait for that push (its transfer pool), past what vLLM allows
+        busy = self.uploader.client if dropped and self.uploader is not None else None
         for client in (self.client, self.upload_client):
-            if client is None:
+            if client is None or client is busy:
                 continue
             try:
                 client.close()
