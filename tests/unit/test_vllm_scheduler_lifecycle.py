@@ -273,3 +273,84 @@ def test_bad_objects_reported_by_the_worker_stop_offers(tmp_path: Path) -> None:
     assert ask(s, req2) == 0
     s.shutdown()
     kvc.close()
+
+
+def test_a_failure_naming_the_saves_never_loses_the_steps_loads(tmp_path: Path) -> None:
+    """The loads of a step go out even when naming its saves raises: vLLM counts an in-step
+    restore's tokens as computed and waits for one beside the pass."""
+    kvc, tokens = stored_prompt(tmp_path)
+    s = side(kvc)
+    req = request("r1", tokens)
+    s.on_new_request(req)
+    assert ask(s, req) == 4 * C
+    s.update_state_after_alloc(req, Blocks(list(range(20, 29))), 4 * C)
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("a bug naming saves")
+
+    s._unwaited_plan = broken  # type: ignore[method-assign]
+    meta = s.build_connector_meta(scheduled_new("r9", [1, 2], 0, C))
+    assert [ld.req_id for ld in meta.loads] == ["r1"] and meta.saves == []
+    assert s.take_stats()["connector_errors"] == 1
+    s.shutdown()
+    kvc.close()
+
+
+def test_a_lookup_queued_behind_a_burst_does_not_blame_the_index(tmp_path: Path) -> None:
+    """Lookups queued on the scheduler's own threads past ``lookup_timeout`` are misses for
+    their requests, but the index answered every lookup it was sent: its breaker stays
+    closed (the code before opened it, and every later request missed)."""
+    kvc, tokens = stored_prompt(tmp_path)
+    s = side(kvc, lookup_timeout=0.3, lookup_wait_ms=0)
+    busy = threading.Event()
+    for _ in range(4):  # every lookup thread held: the next lookup waits in the queue
+        s._lookups.submit(busy.wait, 30)
+    req = request("r1", tokens)
+    s.on_new_request(req)
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+    time.sleep(0.4)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)  # a miss for this request
+    stats = s.take_stats()
+    assert stats["lookup_timeouts"] == 1 and stats["lookup_queue_timeouts"] == 1
+    assert not s.index_breaker.is_open
+    busy.set()
+    req2 = request("r2", tokens)
+    s.on_new_request(req2)
+    assert ask(s, req2) == 4 * C  # the index still serves
+    s.shutdown()
+    kvc.close()
+
+
+def test_no_backfill_from_blocks_not_yet_recomputed(tmp_path: Path) -> None:
+    """A request resumed before its late lookup answered has new blocks that hold nothing
+    of the chunks vLLM's cache held: nothing is backfilled from them."""
+    kvc = fresh(tmp_path)
+    ns = make_ns("float32")
+    tokens = [int(t) for t in make_tokens(3 * C + 1)]
+    s = side(kvc, save_decode=False)
+    gate = threading.Event()
+    real = s._lookup_plan
+
+    def held(*args: object) -> object:
+        gate.wait(10)
+        return real(*args)  # type: ignore[arg-type]
+
+    s._lookup_plan = held  # type: ignore[method-assign]
+    req = request("r1", tokens)
+    s.on_new_request(req)
+    assert s.get_num_new_matched_tokens(req, 3 * C) == (0, False)
+    s.build_connector_meta(scheduled_new("r1", [1, 2, 3, 4, 5, 6, 7], 3 * C, 1))
+    # preempted and resumed (V2: as new) with all-new blocks; its first step computes chunk 0
+    got = saved(s.build_connector_meta(scheduled_new("r1", [30, 31, 32, 33, 34, 35, 36], 0, C)))
+    assert got == []  # the lookup is still out: chunks 0-2 are of unknown state
+    gate.set()
+    s._saving["r1"].lookup.result(timeout=5)  # type: ignore[union-attr]
+    later = saved(s.build_connector_meta(output(cached=[("r1", None, C, C)])))
+    fps = kvc.fingerprints(ns, tokens[: 3 * C])
+    # the index holds none of them: chunks 0 and 1 (computed by now) are named from the
+    # new blocks, chunk 2 when it is recomputed, never from blocks not yet recomputed
+    assert later == [(0, fps[0], [30, 31]), (1, fps[1], [32, 33])]
+    last = saved(s.build_connector_meta(output(cached=[("r1", None, 2 * C, C + 1)])))
+    assert last == [(2, fps[2], [34, 35])]
+    s.shutdown()
+    kvc.close()

@@ -25,7 +25,13 @@ import pytest
 
 from kvcloud import KVCloud
 from kvcloud.integrations.vllm.keys import request_scope
-from scripts.vllm_fleet import LORA, VLLMServer, cached_tokens, kvcloud_transfer_config
+from scripts.vllm_fleet import (
+    LORA,
+    VLLMServer,
+    cached_tokens,
+    completion_ids,
+    kvcloud_transfer_config,
+)
 from tests.vllm.conftest import embedded_env, prompt_tokens, serving
 from tests.vllm.helpers import (
     assert_same_answer,
@@ -135,6 +141,18 @@ def test_preempted_requests_answer_like_no_connector(
         refs = list(pool.map(lambda t: rl.complete(t, **gen), turns))
     for i, (resp, ref) in enumerate(zip(got, refs, strict=True)):
         assert_same_answer(resp, ref, f"P, preempted request {i}")
+    # what P saved across its preemptions is checked by another server: every full chunk P
+    # computed (prompt and answer) is stored, and W, which never saw the answers, continues
+    # each conversation from exactly P's tokens, restoring P's chunks, and answers as the
+    # reference does (a save that read another request's blocks would change this answer)
+    for i, (turn, resp) in enumerate(zip(turns, got, strict=True)):
+        history = [*turn, *completion_ids(resp)]
+        n = (len(history) - 1) // CHUNK  # the answer's last token's KV is never computed
+        assert wait_stored(store, history[: n * CHUNK], want=n) == n, f"P's turn {i}"
+        cont = [*history, *prompt_tokens(8, seed=400 + i)]
+        more = w.complete(cont, max_tokens=8)
+        assert cached_tokens(more) >= min(n * CHUNK, (len(cont) - 1) // 128 * 128), i
+        assert_same_answer(more, rl.complete(cont, max_tokens=8), f"W continues P's turn {i}")
 
 
 def adapter_tenant() -> str:

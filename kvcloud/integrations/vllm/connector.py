@@ -23,7 +23,7 @@ from ...client import KVCloud
 from ...errors import KVCloudError
 from ...namespace import Namespace
 from .config import VLLMConnectorConfig
-from .keys import check_supported, vllm_namespace
+from .keys import check_supported, sliding_window, vllm_namespace
 from .metadata import (
     GAUGES,
     KVCloudConnectorMetadata,
@@ -32,7 +32,7 @@ from .metadata import (
 )
 from .scheduler import SchedulerSide
 from .shard import Shard, shard_of
-from .specs import KVCloudWorkerMeta
+from .specs import KVCloudWorkerMeta, StepSpec
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -131,7 +131,9 @@ class KVCloudConnector(KVConnectorBase_V1):
             # a failed kvcloud load is a miss: vLLM must recompute, not fail the request
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            self._scheduler = SchedulerSide(cfg, ns, client, block_size)
+            self._scheduler = SchedulerSide(
+                cfg, ns, client, block_size, sliding=sliding_window(kv_cache_config) is not None
+            )
         else:
             self._worker = WorkerSide(
                 cfg,
@@ -187,7 +189,10 @@ class KVCloudConnector(KVConnectorBase_V1):
                 self._worker.start_load_kv(meta)
             except Exception as exc:
                 self._failed("starting this step's restores", exc)
-                self._worker.fail_loads(meta)
+                try:
+                    self._worker.fail_loads(meta)
+                except Exception as again:
+                    self._failed("reporting this step's restores failed", again)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._worker is not None:
@@ -232,7 +237,13 @@ class KVCloudConnector(KVConnectorBase_V1):
             return set()
 
     def build_connector_worker_meta(self) -> KVCloudWorkerMeta | None:
-        return None if self._worker is None else self._worker.build_worker_meta()
+        if self._worker is None:
+            return None
+        try:
+            return self._worker.build_worker_meta()
+        except Exception as exc:  # a report not sent: the scheduler offers as before
+            self._failed("reporting to the scheduler", exc)
+            return None
 
     def get_kv_connector_stats(self) -> KVCloudConnectorStats | None:
         side = self._worker or self._scheduler
@@ -288,7 +299,10 @@ class KVCloudConnector(KVConnectorBase_V1):
             # vLLM now expects these blocks filled: fill nothing, and have the worker
             # report them failed so they are recomputed (never left unwritten)
             self._failed(f"planning the restore of {request.request_id}", exc)
-            self._scheduler.load_unplanned(request, blocks, num_external_tokens)
+            try:
+                self._scheduler.load_unplanned(request, blocks, num_external_tokens)
+            except Exception as again:  # vLLM's blocks cannot even be read: nothing to do
+                self._failed(f"refusing the restore of {request.request_id}", again)
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
@@ -305,7 +319,11 @@ class KVCloudConnector(KVConnectorBase_V1):
             # this step's saves are lost (future misses); its loads still go out, as
             # failed ones, so no request waits for a restore that never runs
             self._failed("building this step's metadata", exc)
-            step = self._scheduler.failed_step()
+            try:
+                step = self._scheduler.failed_step()
+            except Exception as again:
+                self._failed("refusing this step's restores", again)
+                step = StepSpec()
         return KVCloudConnectorMetadata(loads=step.loads, saves=step.saves)
 
     def request_finished(

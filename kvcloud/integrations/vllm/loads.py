@@ -215,9 +215,19 @@ class Restores:
         are never reported as asynchronous loads."""
         loads, self._stepping = self._stepping, []
         for load in loads:
-            self._await(load)
-        for load in loads:
-            self._settle(load, self._outcome(load, self._clock(), force=True) or 0)
+            try:
+                self._await(load)
+                self._settle(load, self._outcome(load, self._clock(), force=True) or 0)
+            except Exception as exc:
+                # its blocks reported failed rather than left as if loaded: vLLM already
+                # counts them computed, and would read and cache whatever they hold
+                log.warning("kvcloud: settling the restore of %s: %s", load.spec.req_id, exc)
+                self.count(connector_errors=1)
+                with load.lock:
+                    load.abandoned = True
+                self._failed_blocks.update(
+                    b for ch in load.spec.chunks for b in ch.block_ids if b >= 0 and b != NULL_BLOCK
+                )
 
     def _layer_written(self, load: Load, layer: int) -> bool:
         """Until the restore has written ``layer`` of each chunk, or is over, or given up

@@ -59,6 +59,9 @@ class Pending:
     future: cf.Future[Plan]
     started: float
     asked: bool = False  # vLLM has asked for this request's hit before
+    # when its thread began the lookup (empty while it waits behind others): only the time
+    # in the index counts against the index (its breaker); queueing here is not an outage
+    began: list[float] = field(default_factory=list)
 
 
 class Lookups:
@@ -100,8 +103,11 @@ class Lookups:
             plan = self._plans[rid] = self._miss_plan(request)
             return plan
         tokens = list(request.prompt_token_ids)
-        future = self._lookups.submit(self._lookup, rid, request, tokens, time.perf_counter_ns())
-        self._pending[rid] = Pending(future, self._clock())
+        began: list[float] = []
+        future = self._lookups.submit(
+            self._lookup, rid, request, tokens, time.perf_counter_ns(), began
+        )
+        self._pending[rid] = Pending(future, self._clock(), began=began)
         return None
 
     def _scope(self, request: Any) -> str | None:
@@ -114,8 +120,11 @@ class Lookups:
             log.info("kvcloud: request %s runs without kvcloud: %s", request.request_id, exc)
             return None
 
-    def _lookup(self, rid: str, request: Any, tokens: list[int], submitted_ns: int) -> Plan:
+    def _lookup(
+        self, rid: str, request: Any, tokens: list[int], submitted_ns: int, began: list[float]
+    ) -> Plan:
         """On a lookup thread: the tenant scope, fingerprints, then one index round trip."""
+        began.append(self._clock())
         try:
             tenant = self._scope(request)
             if tenant is None:
@@ -169,14 +178,21 @@ class Lookups:
             plan = pending.future.result(timeout=wait)
         except cf.TimeoutError:
             self._wait_left = max(0.0, self._wait_left - (time.monotonic() - t0))
-            waited = self._clock() - pending.started
+            now = self._clock()
+            waited = now - pending.started
             if waited < self.cfg.lookup_timeout and not self.index_breaker.is_open:
                 self.count(lookup_deferrals=1)
                 return None
             # too long, or the index went down meanwhile: this request runs as a miss
             self.count(lookup_timeouts=1)
-            if waited >= self.cfg.lookup_timeout:
+            in_index = now - pending.began[0] if pending.began else 0.0
+            if in_index >= self.cfg.lookup_timeout:
                 self.index_breaker.failure("lookup timed out", timeout=True)
+            elif waited >= self.cfg.lookup_timeout:
+                # queued behind a burst of other lookups on this scheduler: not the
+                # index's fault; the lookup is dropped if it has not started yet
+                self.count(lookup_queue_timeouts=1)
+                pending.future.cancel()
             plan = self._miss_plan(request)
         except Exception as exc:  # a bug in the lookup thread: a miss, never a failed request
             log.warning("kvcloud lookup for %s failed: %s", rid, exc)

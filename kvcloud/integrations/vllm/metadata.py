@@ -32,6 +32,7 @@ COUNTERS: dict[str, str] = {
     "lookups": "kvcloud index lookups made by the scheduler",
     "lookup_errors": "lookups that failed (index unreachable): served as misses",
     "lookup_timeouts": "lookups given up after lookup_timeout: served as misses",
+    "lookup_queue_timeouts": "of those, lookups still queued behind others (not the index's fault)",
     "lookup_deferrals": "scheduler steps a new request waited for its lookup (others ran)",
     "lookup_us": "microseconds lookups took, from the request's arrival to the index's answer",
     "lookups_skipped": "requests not looked up because the index breaker was open",

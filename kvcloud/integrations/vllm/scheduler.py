@@ -77,6 +77,7 @@ class _Saving:
     # saved from the request's blocks (it holds them while it runs)
     unsure: int = 0
     lookup: cf.Future[Plan] | None = None
+    rewind: bool = False  # resumed before the lookup answered: no backfill, rewind instead
 
 
 class SchedulerSide(Lookups):
@@ -87,11 +88,15 @@ class SchedulerSide(Lookups):
         client: KVCloud,
         block_size: int,
         clock: Any = time.monotonic,
+        sliding: bool = False,
     ) -> None:
         self.cfg = cfg
         self.ns = ns
         self.client = client
         self.block_size = block_size
+        # a sliding-window model: blocks behind the window are freed and reused, so only a
+        # chunk's own step may read them (no backfill of older chunks)
+        self.sliding = sliding
         self._clock = clock
         self._plans: dict[str, Plan] = {}
         self._pending: dict[str, Pending] = {}
@@ -300,7 +305,9 @@ class SchedulerSide(Lookups):
         # schedule() is over: the next one has a whole lookup_wait_ms again
         self._wait_left = self.cfg.lookup_wait_ms / 1000
         # every load vLLM allocated blocks for since the last step, whether the request is
-        # new or resumed after a preemption (it waits for the load, not scheduled yet)
+        # new or resumed after a preemption (it waits for the load, not scheduled yet); the
+        # pending loads are forgotten only once every spec is built (else failed_step
+        # still sends them, refused)
         for req_id, plan in self._loads.items():
             spec = self._load_spec(req_id, plan)
             if spec.chunks or not spec.sync:
@@ -308,9 +315,23 @@ class SchedulerSide(Lookups):
                 # or the request would wait for it forever; one in the step is just dropped:
                 # the worker would report a RUNNING request's load finished)
                 meta.loads.append(spec)
-        self._loads.clear()
         meta.loads.extend(self._refused.values())
+        self._loads.clear()
         self._refused.clear()
+        try:
+            self._step_saves(scheduler_output, meta)
+        except Exception as exc:
+            # the loads must go out whatever happens to the saves: vLLM counts their tokens
+            # as computed (in the step) or waits for them (beside it); this step's saves
+            # are lost, future misses
+            log.warning("kvcloud: naming this step's saves failed: %s: %s",
+                        type(exc).__name__, exc)  # fmt: skip
+            self.count(connector_errors=1)
+            meta.saves.clear()
+        return meta
+
+    def _step_saves(self, scheduler_output: Any, meta: StepSpec) -> None:
+        """The chunks this step's requests complete, into ``meta.saves``."""
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             rid = new.req_id
@@ -322,6 +343,10 @@ class SchedulerSide(Lookups):
                 # the old ids belong to other requests now. Chunks already handed over stay
                 # handed over; the rest are saved from the new blocks as they are computed.
                 saving.block_ids = list(new.block_ids[0])
+                # the chunks vLLM's cache held are not in these blocks until recomputed
+                # (or loaded): no backfill from them; once the lookup answers, those the
+                # index lacks are named as they are recomputed instead
+                saving.unsure, saving.rewind = 0, saving.lookup is not None
                 computed = new.num_computed_tokens + scheduled.get(rid, 0)
                 self._collect(rid, saving, computed, meta)
                 continue
@@ -361,18 +386,19 @@ class SchedulerSide(Lookups):
             if req_id in cached.resumed_req_ids:
                 # after a preemption vLLM hands over the request's whole block list again
                 saving.block_ids = list(new_ids[0]) if new_ids is not None else []
+                # (as for the V2 runner above)
+                saving.unsure, saving.rewind = 0, saving.lookup is not None
             elif new_ids is not None:
                 saving.block_ids.extend(new_ids[0])
             computed = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
             self._collect(req_id, saving, computed, meta)
-        return meta
 
     def _collect(self, req_id: str, saving: _Saving, computed: int, meta: StepSpec) -> None:
         """Save the chunks this step completes: prompt chunks, and answer chunks too when the
         request's tokens are followed (``save_decode``)."""
         c, bs = self.ns.chunk_tokens, self.block_size
         per_chunk = c // bs
-        chunks = self._backfill(saving) if saving.lookup is not None else []
+        chunks = self._backfill(saving, computed) if saving.lookup is not None else []
         if saving.request is not None:
             # only tokens vLLM has accepted: a step also computes KV for speculative draft
             # tokens it may reject, and with async scheduling the newest token is not known
@@ -406,7 +432,7 @@ class SchedulerSide(Lookups):
         else:
             self._saving[req_id] = saving
 
-    def _backfill(self, saving: _Saving) -> list[SaveChunk]:
+    def _backfill(self, saving: _Saving, computed: int) -> list[SaveChunk]:
         """Once the lookup of a request scheduled without it is back: the chunks vLLM's own
         cache held that the index lacks (computed here by a request whose saves were lost,
         or still in flight), saved now from this request's blocks."""
@@ -421,9 +447,17 @@ class SchedulerSide(Lookups):
         if plan.skip or plan.failed:
             return []
         known = len(plan.match.chunks) if plan.match is not None else 0
+        if saving.rewind:  # resumed meanwhile: named as they are recomputed
+            saving.next_chunk = min(saving.next_chunk, known)
+            return []
         per_chunk = self.ns.chunk_tokens // self.block_size
         out = []
-        for j in range(known, min(saving.unsure, len(saving.fps))):
+        # only chunks whose KV is in the request's blocks by this step (the window of a
+        # sliding-window model may have moved past older ones: see self.sliding)
+        if self.sliding:
+            return []
+        end = min(saving.unsure, len(saving.fps), computed // self.ns.chunk_tokens)
+        for j in range(known, end):
             ids = saving.block_ids[j * per_chunk : (j + 1) * per_chunk]
             if len(ids) < per_chunk or NULL_BLOCK in ids:
                 continue

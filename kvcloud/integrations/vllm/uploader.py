@@ -287,9 +287,9 @@ def stop_budget(setting: float, shutdown_timeout: float, worker_timeout: float) 
     ``_ensure_worker_termination``). And the API server gives the engine core
     ``shutdown_timeout`` seconds (``--shutdown-timeout``) from its SIGTERM, then kills the
     engine core and its workers (v1/utils.py ``shutdown``): with the default 0 it kills
-    them at once, so nothing queued survives a stop whatever this returns. 0 is also what
-    an engine without that API server (``LLM``, the engine core's own process manager)
-    reads: only ``worker_timeout`` is known to bound the worker then."""
+    them at once, so nothing queued survives a stop whatever this returns. An engine
+    started without that API server (the offline ``LLM``) reads 0 too but does not kill at
+    once: only ``worker_timeout`` is known to bound the worker then."""
     limit = float(worker_timeout)
     if shutdown_timeout > 0:
         limit = min(limit, float(shutdown_timeout))

@@ -303,12 +303,23 @@ class WorkerSide(Restores):
         now = self._clock()
         done: set[str] = set()
         for req_id, load in list(self._loads.items()):
-            ok = self._outcome(load, now)
-            if ok is None:
-                continue
-            if load.ended:
-                self.count(load_report_us=int(1e6 * max(0.0, time.monotonic() - load.ended)))
-            self._settle(load, ok)
+            try:
+                ok = self._outcome(load, now)
+                if ok is None:
+                    continue
+                if load.ended:
+                    self.count(load_report_us=int(1e6 * max(0.0, time.monotonic() - load.ended)))
+                self._settle(load, ok)
+            except Exception as exc:
+                # reported all failed rather than never: a request whose restore is never
+                # reported waits in WAITING_FOR_REMOTE_KVS forever
+                log.warning("kvcloud: settling the restore of %s: %s", req_id, exc)
+                self.count(connector_errors=1)
+                with load.lock:
+                    load.abandoned = True  # its thread writes nothing from here on
+                self._failed_blocks.update(
+                    b for ch in load.spec.chunks for b in ch.block_ids if b >= 0 and b != NULL_BLOCK
+                )
             done.add(req_id)
             del self._loads[req_id]
         return None, (done or None)
