@@ -128,6 +128,14 @@ class KVCloudConnector(KVConnectorBase_V1):
         self.ns = ns
         self.client = client
         if role == KVConnectorRole.SCHEDULER:
+            if int(getattr(vllm_config, "shutdown_timeout", 0) or 0) == 0:
+                # vLLM's API server with --shutdown-timeout 0 (its default) kills the engine
+                # and its workers the moment it is stopped: the uploads still queued are lost
+                log.warning(
+                    "kvcloud: --shutdown-timeout is 0, so when served by vLLM's API server a "
+                    "stop kills the workers at once and the chunks still queued for upload "
+                    "are lost; set --shutdown-timeout 15 (docs/VLLM.md, Stopping)"
+                )
             # a failed kvcloud load is a miss: vLLM must recompute, not fail the request
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
