@@ -36,10 +36,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-
-# a Phi-3 LongRoPE checkpoint's rope (tests/unit/test_vllm_settings.py has the same)
-_LONGROPE = {
+# a Phi-3 LongRoPE checkpoint's rope (tests/unit/test_vllm_settings.py uses it too)
+LONGROPE = {
     "model_type": "phi3",
     "max_position_embeddings": 131072,
     "original_max_position_embeddings": 4096,
@@ -49,16 +47,11 @@ _LONGROPE = {
 
 
 def _setup_env() -> None:
-    """Before vLLM is imported: offline, no usage stats, quiet logs (vLLM logs to stdout)."""
-    os.environ.update(
-        {
-            "VLLM_CACHE_ROOT": str(ROOT / ".cache" / "vllm"),
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
-        }
-    )
+    """Before vLLM is imported: the test servers' settings (offline, caches under .cache),
+    quiet logs (vLLM logs to stdout)."""
+    from scripts.vllm_fleet import vllm_env
+
+    os.environ.update(vllm_env())
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
@@ -101,7 +94,7 @@ def check_longrope() -> dict[str, Any]:
             "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 128,
             "vocab_size": 256, "torch_dtype": "float32"}  # fmt: skip
     # a factor per rotated pair: 64 / 4 heads = 16 wide, 8 pairs
-    phi3 = {**arch, **_LONGROPE,
+    phi3 = {**arch, **LONGROPE,
             "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8,
                              "long_factor": [4.0] * 8}}  # fmt: skip
     llama = {**arch, "architectures": ["LlamaForCausalLM"], "model_type": "llama",

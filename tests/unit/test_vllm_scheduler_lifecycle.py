@@ -24,6 +24,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from kvcloud import KVCloud
+from kvcloud.integrations.vllm.scheduler import SchedulerSide
 from kvcloud.integrations.vllm.specs import KVCloudWorkerMeta
 from tests.helpers import make_kv, make_ns, make_tokens
 from tests.unit.test_vllm_scheduler import (
@@ -51,6 +52,20 @@ def scheduled_new(rid: str, blocks: list[int], computed: int, n: int) -> SimpleN
 
 def fresh(tmp_path: Path) -> KVCloud:
     return KVCloud.open(store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db", secret="s")
+
+
+def held_lookups(s: SchedulerSide) -> threading.Event:
+    """Hold every lookup of ``s`` at the index until the returned event is set, so a test
+    can schedule a request before its lookup answers, with certainty."""
+    gate = threading.Event()
+    real = s._lookup_plan
+
+    def held(*args: object) -> object:
+        gate.wait(10)
+        return real(*args)  # type: ignore[arg-type]
+
+    s._lookup_plan = held  # type: ignore[method-assign]
+    return gate
 
 
 def test_v2_resumed_request_saves_from_its_new_blocks(tmp_path: Path) -> None:
@@ -151,14 +166,7 @@ def test_chunks_taken_as_stored_are_saved_once_the_lookup_says_otherwise(tmp_pat
     tokens = [int(t) for t in make_tokens(3 * C + 1)]
     kvc.push(ns, tokens[:C], make_kv(ns, C))
     s = side(kvc, save_decode=False)
-    gate = threading.Event()
-    real = s._lookup_plan
-
-    def held(*args: object) -> object:
-        gate.wait(10)
-        return real(*args)  # type: ignore[arg-type]
-
-    s._lookup_plan = held  # type: ignore[method-assign]
+    gate = held_lookups(s)
     req = request("r1", tokens)
     s.on_new_request(req)
     assert s.get_num_new_matched_tokens(req, 3 * C) == (0, False)
@@ -328,14 +336,7 @@ def test_no_backfill_from_blocks_not_yet_recomputed(tmp_path: Path) -> None:
     ns = make_ns("float32")
     tokens = [int(t) for t in make_tokens(3 * C + 1)]
     s = side(kvc, save_decode=False)
-    gate = threading.Event()
-    real = s._lookup_plan
-
-    def held(*args: object) -> object:
-        gate.wait(10)
-        return real(*args)  # type: ignore[arg-type]
-
-    s._lookup_plan = held  # type: ignore[method-assign]
+    gate = held_lookups(s)
     req = request("r1", tokens)
     s.on_new_request(req)
     assert s.get_num_new_matched_tokens(req, 3 * C) == (0, False)

@@ -21,6 +21,7 @@ from kvcloud.integrations.vllm.keys import (
     request_tenant,
     vllm_namespace,
 )
+from scripts.vllm_config_checks import LONGROPE
 
 
 def test_extra_config_wins_over_environment() -> None:
@@ -209,14 +210,6 @@ def test_an_mla_model_is_one_latent_head_in_its_own_namespace() -> None:
 
 # -- the rotary embedding in the namespace -------------------------------------------------------
 
-_LONGROPE = {
-    "model_type": "phi3",
-    "max_position_embeddings": 131072,
-    "original_max_position_embeddings": 4096,
-    "rope_theta": 10000.0,
-    "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [4.0] * 4},
-}
-
 
 def _checkpoint_config(tmp_path: Path, config: dict, max_model_len: int, **over: object):
     """A vLLM config over a checkpoint folder whose config.json is ``config`` (the file the
@@ -261,22 +254,20 @@ def test_longrope_splits_where_max_model_len_crosses_original(tmp_path: Path) ->
     """vLLM's Phi-3 LongRoPE rotates with its long factors when max_model_len exceeds
     original_max_position_embeddings, with its short ones otherwise: the namespace follows
     that switch, and only it."""
-    ids = {
-        n: _ns_id(_checkpoint_config(tmp_path, _LONGROPE, n)) for n in (2048, 4096, 4097, 131072)
-    }
+    ids = {n: _ns_id(_checkpoint_config(tmp_path, LONGROPE, n)) for n in (2048, 4096, 4097, 131072)}
     assert ids[2048] == ids[4096] != ids[4097] == ids[131072]
     ns = vllm_namespace(
-        _checkpoint_config(tmp_path, _LONGROPE, 8192),
+        _checkpoint_config(tmp_path, LONGROPE, 8192),
         VLLMConnectorConfig(weights_digest="sha256-x"),
     )
     assert '"rope": "longrope@long:' in ns.extra
     # the legacy name of the same scaling ("su") is the same rotation
-    su = {**_LONGROPE, "rope_scaling": {**_LONGROPE["rope_scaling"], "type": "su"}}
+    su = {**LONGROPE, "rope_scaling": {**LONGROPE["rope_scaling"], "type": "su"}}
     assert _ns_id(_checkpoint_config(tmp_path, su, 8192)) == ids[4097]
     # without a readable config.json, the switch still comes from vLLM's loaded config
     loaded = SimpleNamespace(
         model_type="phi3", to_json_string=lambda: "{}",
-        rope_parameters={**_LONGROPE["rope_scaling"], "rope_type": "longrope",
+        rope_parameters={**LONGROPE["rope_scaling"], "rope_type": "longrope",
                          "original_max_position_embeddings": 4096},
     )  # fmt: skip
     short, long = (_ns_id(_vllm_config(hf_config=loaded, max_model_len=n)) for n in (4096, 8192))

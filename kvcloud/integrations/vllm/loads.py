@@ -121,6 +121,12 @@ def _spans(block_ids: list[int]) -> list[tuple[int, int]]:
     return spans
 
 
+def _filled(spec: LoadSpec) -> list[list[int]]:
+    """Per chunk, the blocks a restore writes: not those vLLM already holds (-1) nor a
+    sliding window's null block."""
+    return [[b for b in ch.block_ids if b >= 0 and b != NULL_BLOCK] for ch in spec.chunks]
+
+
 @dataclass
 class _Moved:
     bytes: int = 0
@@ -221,13 +227,16 @@ class Restores:
             except Exception as exc:
                 # its blocks reported failed rather than left as if loaded: vLLM already
                 # counts them computed, and would read and cache whatever they hold
-                log.warning("kvcloud: settling the restore of %s: %s", load.spec.req_id, exc)
-                self.count(connector_errors=1)
-                with load.lock:
-                    load.abandoned = True
-                self._failed_blocks.update(
-                    b for ch in load.spec.chunks for b in ch.block_ids if b >= 0 and b != NULL_BLOCK
-                )
+                self._fail_all(load, exc)
+
+    def _fail_all(self, load: Load, exc: Exception) -> None:
+        """A restore whose settling raised: abandoned (its thread writes nothing from here
+        on) and every one of its blocks reported failed, so vLLM recomputes them."""
+        log.warning("kvcloud: settling the restore of %s: %s", load.spec.req_id, exc)
+        self.count(connector_errors=1)
+        with load.lock:
+            load.abandoned = True
+        self._failed_blocks.update(b for ids in _filled(load.spec) for b in ids)
 
     def _layer_written(self, load: Load, layer: int) -> bool:
         """Until the restore has written ``layer`` of each chunk, or is over, or given up
@@ -517,8 +526,7 @@ class Restores:
 
     def _settle(self, load: Load, ok: int) -> None:
         """Count a finished restore and note the blocks of its chunks past ``ok`` as failed."""
-        chunks = load.spec.chunks
-        real = [[b for b in ch.block_ids if b >= 0 and b != NULL_BLOCK] for ch in chunks]
+        real = _filled(load.spec)
         failed = [b for ids in real[ok:] for b in ids]
         loaded = sum(len(ids) for ids in real[:ok])
         self._failed_blocks.update(failed)

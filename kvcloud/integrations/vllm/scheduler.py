@@ -101,7 +101,7 @@ class SchedulerSide(Lookups):
         self._plans: dict[str, Plan] = {}
         self._pending: dict[str, Pending] = {}
         self._loads: dict[str, Plan] = {}  # offered and allocated, not yet in metadata
-        self._refused: dict[str, LoadSpec] = {}  # allocated loads that failed to plan
+        self._unplanned: dict[str, LoadSpec] = {}  # allocated loads that failed to plan
         self._saving: dict[str, _Saving] = {}
         self._requests: dict[str, Any] = {}  # vLLM's Request of each request seen, for saves
         self.stats: Counter[str] = Counter()
@@ -241,31 +241,37 @@ class SchedulerSide(Lookups):
         if plan.sync:
             self.count(loads_in_step=1)
 
-    def load_unplanned(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        """vLLM allocated blocks for a load this side could not plan (a bug): a load that
-        pulls nothing, so the worker reports those blocks failed and vLLM recomputes them."""
-        plan = self._plans.get(request.request_id)
-        local = plan.local if plan is not None else 0
-        ids = list(blocks.get_block_ids()[0])
+    def _refused_spec(
+        self, req_id: str, ids: list[int], local: int, external: int, sync: bool
+    ) -> LoadSpec:
+        """A load that pulls nothing: the worker reports the blocks holding tokens
+        [local, local + external) failed at once, and vLLM recomputes them."""
         bs = self.block_size
-        failed = ids[local // bs : (local + max(0, num_external_tokens)) // bs]
-        sync = plan.sync if plan is not None else False
-        self._refused[request.request_id] = LoadSpec(
-            request.request_id, "", [LoadChunk(-1, b"", b"", "", 0, failed)], sync, refused=True
+        chunk = LoadChunk(-1, b"", b"", "", 0, ids[local // bs : (local + external) // bs])
+        return LoadSpec(req_id, "", [chunk], sync, refused=True)
+
+    def load_unplanned(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """vLLM allocated blocks for a load this side could not plan (a bug): refused."""
+        rid = request.request_id
+        plan = self._plans.get(rid)
+        self._unplanned[rid] = self._refused_spec(
+            rid,
+            list(blocks.get_block_ids()[0]),
+            plan.local if plan is not None else 0,
+            max(0, num_external_tokens),
+            plan.sync if plan is not None else False,
         )
 
     def failed_step(self) -> StepSpec:
         """What a step whose metadata could not be built still sends: each load vLLM
         expects, refused (reported failed: recomputed), so no request waits for it."""
         meta = StepSpec()
-        bs = self.block_size
         for req_id, plan in self._loads.items():
-            ids = plan.block_ids[plan.local // bs : (plan.local + plan.external) // bs]
-            chunk = LoadChunk(-1, b"", b"", "", 0, ids)
-            meta.loads.append(LoadSpec(req_id, "", [chunk], plan.sync, refused=True))
-        meta.loads.extend(self._refused.values())
+            spec = self._refused_spec(req_id, plan.block_ids, plan.local, plan.external, plan.sync)
+            meta.loads.append(spec)
+        meta.loads.extend(self._unplanned.values())
         self._loads.clear()
-        self._refused.clear()
+        self._unplanned.clear()
         return meta
 
     # -- metadata ---------------------------------------------------------------------------
@@ -315,9 +321,9 @@ class SchedulerSide(Lookups):
                 # or the request would wait for it forever; one in the step is just dropped:
                 # the worker would report a RUNNING request's load finished)
                 meta.loads.append(spec)
-        meta.loads.extend(self._refused.values())
+        meta.loads.extend(self._unplanned.values())
         self._loads.clear()
-        self._refused.clear()
+        self._unplanned.clear()
         try:
             self._step_saves(scheduler_output, meta)
         except Exception as exc:

@@ -313,13 +313,7 @@ class WorkerSide(Restores):
             except Exception as exc:
                 # reported all failed rather than never: a request whose restore is never
                 # reported waits in WAITING_FOR_REMOTE_KVS forever
-                log.warning("kvcloud: settling the restore of %s: %s", req_id, exc)
-                self.count(connector_errors=1)
-                with load.lock:
-                    load.abandoned = True  # its thread writes nothing from here on
-                self._failed_blocks.update(
-                    b for ch in load.spec.chunks for b in ch.block_ids if b >= 0 and b != NULL_BLOCK
-                )
+                self._fail_all(load, exc)
             done.add(req_id)
             del self._loads[req_id]
         return None, (done or None)
