@@ -212,30 +212,51 @@ class IndexContract:
 
     def test_sliding_ttl(self, make_index: IndexFactory) -> None:
         idx = make_index(ttl_seconds=1)
+        # A loaded machine (a CI run beside Ceph and a Redis cluster) can overrun any fixed
+        # window of a 1 s TTL: each try measures when its steps ran and its assertions count
+        # only where they ran in time. A TTL that does not slide fails every try.
+        for attempt in range(3):
+            if self._sliding_ttl_once(idx, NS[:-1] + str(attempt)):
+                return
+        pytest.fail("no try of the sliding-TTL scenario ran in time in 3 tries")
+
+    @staticmethod
+    def _sliding_ttl_once(idx: Index, ns: str) -> bool:
+        """One run of the scenario; False where a step came too late to judge."""
         start = time.time()
-        assert idx.register(NS, fp(1), entry(1))
-        assert idx.register(NS, fp(2), entry(2))
-        sleep_until(start + 0.6)
+        assert idx.register(ns, fp(1), entry(1))
+        assert idx.register(ns, fp(2), entry(2))
+        registered = time.time()  # fp(2) expires by registered + 1
+        sleep_until(registered + 0.6)
         # A hit renews the TTL: fp(1) is looked up, fp(2) is not. A backend may renew in the
         # background, but well within the TTL: wait for it, briefly.
         looked_up = time.time()
-        assert idx.lookup(NS, [fp(1)]) == [entry(1)]
-        assert wait_until(
-            lambda: (expires_at(idx, NS, fp(1)) or 0.0) >= looked_up + 1.0 - 0.05, timeout=0.3
-        ), "the hit's TTL was not renewed within 0.3 s"
-        sleep_until(start + 1.2)  # only a renewed entry is still there
-        assert idx.lookup(NS, [fp(1), fp(2)]) == [entry(1), None]
+        got = idx.lookup(ns, [fp(1)])
+        if time.time() > start + 0.95:
+            return False  # fp(1) may have expired before the lookup reached it
+        assert got == [entry(1)]
+        renewed = wait_until(
+            lambda: (expires_at(idx, ns, fp(1)) or 0.0) >= looked_up + 1.0 - 0.05, timeout=0.3
+        )
+        if not renewed and time.time() < looked_up + 0.5:
+            pytest.fail("the hit's TTL was not renewed within 0.3 s")
+        sleep_until(registered + 1.05)  # fp(2) expired; fp(1), renewed, lives to looked_up + 1
+        got = idx.lookup(ns, [fp(1), fp(2)])
         last_lookup = time.time()
+        if last_lookup > looked_up + 0.95:
+            return False
+        assert got == [entry(1), None]
         # longer than the TTL (and any background renewal of that last lookup) with no
         # lookup in between
         sleep_until(last_lookup + 1.5)
-        assert idx.lookup(NS, [fp(1)]) == [None]
-        assert idx.count_entries() == 0
-        assert list(idx.iter_entries()) == []
+        assert idx.lookup(ns, [fp(1)]) == [None]
+        assert idx.count_entries(ns) == 0
+        assert list(idx.iter_entries(ns)) == []
         # An expired entry counts as absent: registering over it succeeds.
-        assert idx.register(NS, fp(1), entry(3)) is True
-        assert idx.lookup(NS, [fp(1)]) == [entry(3)]
-        assert idx.drop(NS, fp(2)) is False
+        assert idx.register(ns, fp(1), entry(3)) is True
+        assert idx.lookup(ns, [fp(1)]) == [entry(3)]
+        assert idx.drop(ns, fp(2)) is False
+        return True
 
     def test_session_ttl(self, make_index: IndexFactory) -> None:
         idx = make_index(ttl_seconds=DEFAULT_TTL_SECONDS)

@@ -553,6 +553,31 @@ def test_a_step_without_per_layer_hooks_saves_what_vllm_computed(tmp_path: Path)
     ws.shutdown()
 
 
+def test_a_stage_whose_wait_for_save_vllm_defers_still_saves(tmp_path: Path) -> None:
+    """V1 with speculative decoding defers ``wait_for_save`` until after the drafter, and a
+    pipeline stage other than the last returns before it (``gpu_model_runner``): the step's
+    chunks are copied in ``get_finished``, still in the step, not skipped at the next one."""
+    from kvcloud.integrations.vllm.specs import SaveChunk, SaveSpec
+
+    ws, kvc, kv, fps = saver(tmp_path)
+    ns = ws.ns
+    for i in range(2):  # two steps, neither calls wait_for_save
+        chunk = SaveChunk(i, fps[i], fps[i - 1] if i else ns.digest, SAVE_IDS[i])
+        ws.start_load_kv(meta(saves=[SaveSpec("r1", "default", [chunk])]))  # type: ignore[arg-type]
+        ws.get_finished(set())
+        ws.get_block_ids_with_load_errors()
+    ws.wait_for_save()  # a late finalize finds nothing left to copy twice
+    assert ws.uploader is not None
+    ws.uploader.close()
+    stats = ws.take_stats()
+    assert stats.get("saves_skipped", 0) == 0
+    assert stats["chunks_queued"] == 2 and stats["chunks_pushed"] == 2
+    m = kvc.lookup(ns, [int(t) for t in make_tokens(2 * ns.chunk_tokens)])
+    assert m.tokens == 2 * ns.chunk_tokens
+    assert same_bits(kvc.pull(m), kv)
+    ws.shutdown()
+
+
 def test_a_chunk_named_for_saving_is_offered_or_counted_never_dropped(tmp_path: Path) -> None:
     """Every chunk the scheduler names is offered to the uploader (then pushed, or counted
     as ``upload_dropped``) or counted as ``saves_skipped``: one partly out of a sliding

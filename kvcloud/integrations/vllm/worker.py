@@ -295,7 +295,20 @@ class WorkerSide(Restores):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """The restores that are over (done, failed or abandoned), their failed blocks noted
         for ``get_block_ids_with_load_errors`` in this same pass; first the restores of this
-        step's forward pass, whose failures are reported now too."""
+        step's forward pass, whose failures are reported now too.
+
+        Called after the pass in the same step. Where vLLM defers ``wait_for_save`` past
+        a drafter (V1 with speculative decoding), a pipeline stage other than the last
+        returns before it ever runs: the step's saves are copied here, while their blocks
+        still hold this step's KV (by the next step a finished request's blocks may be
+        someone else's)."""
+        if self._pending_saves:
+            chunks = sum(len(spec.chunks) for spec in self._pending_saves)
+            try:
+                self.wait_for_save()
+            except Exception as exc:  # the restores below must still be reported
+                log.warning("kvcloud: could not copy this step's saves: %s", exc)
+                self.count(saves_skipped=chunks)
         if self._stepping:
             self._settle_stepping()
         if not self._loads:
