@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import (
     CorruptObjectError,
+    DigestMismatchError,
     IndexBackendError,
     KVCloudError,
     LayoutError,
@@ -189,6 +190,12 @@ class PullMixin(ClientBase):
         # is dropped with the entry, or the next writer to offer a part of that chunk would
         # find every record still there and register the broken grid again
         bad_parts: dict[int, tuple[str, tuple[int, int], tuple[int, int]]] = {}
+        # objects whose bytes do not hash to their own key: garbage to every reader. Deleted
+        # after their entries (invariant 6), or a re-push of the same chunk (the same key,
+        # where the KV is recomputed bit for bit) finds the object "already there" and names
+        # the damaged bytes again. Any other verify failure (a header naming another chunk,
+        # another deployment's key) may be a good object under a wrong entry: kept.
+        damaged: set[str] = set()
 
         def fetch(i: int) -> tuple[str, int]:
             ref = m.chunks[i]
@@ -270,6 +277,8 @@ class PullMixin(ClientBase):
                 return "missing", 0
             except CorruptObjectError as exc:
                 log.warning("object %s failed verification: %s", key, exc)
+                if isinstance(exc, DigestMismatchError):
+                    damaged.add(key)
                 return f"corrupt:{type(exc).__name__}", 0
             except (StoreError, OSError) as exc:
                 log.warning("store get %s failed: %s", key, exc)
@@ -301,6 +310,14 @@ class PullMixin(ClientBase):
                             self.index.drop(ns.id, record.hex(), key)
                 except KVCloudError as exc:
                     log.warning("could not drop bad entry %s: %s", ref.fp.hex()[:16], exc)
+                    damaged.difference_update(ref.entry.keys)  # still named: kept for gc
+        deleted = 0
+        for key in sorted(damaged):
+            try:
+                self.store.delete(key)
+                deleted += 1
+            except (KVCloudError, OSError) as exc:  # read-only credentials: gc collects it
+                log.warning("could not delete damaged object %s: %s", key, exc)
         self._count(
             chunks_pulled=n_ok,
             bytes_pulled=nbytes,
@@ -309,5 +326,6 @@ class PullMixin(ClientBase):
             verify_failures=sum(1 for r, _ in outcomes if r.startswith("corrupt")),
             store_errors=sum(1 for r, _ in outcomes if r == "unavailable"),
             entries_dropped=dropped,
+            damaged_deleted=deleted,
         )
         return n_ok, failures, nbytes

@@ -156,6 +156,40 @@ def test_a_restore_failed_part_of_the_way_saves_the_rest_again(tmp_path: Path) -
     kvc.close()
 
 
+def test_a_restore_in_the_step_failed_part_of_the_way_saves_the_rest_again(
+    tmp_path: Path,
+) -> None:
+    """A restore in the step (``sync``) fails at chunk 2: vLLM takes the request's computed
+    tokens back to that block (``_update_requests_with_invalid_blocks``) and recomputes from
+    there into the same blocks; the chunks from the failure on are saved as they are
+    recomputed (their objects' entries were dropped by the pull: nobody else saves them)."""
+    kvc, tokens = stored_prompt(tmp_path)
+    s = side(kvc, save_decode=False, load_mode="sync")
+    req = request("r1", tokens)
+    s.on_new_request(req)
+    assert ask(s, req, sync=True) == 4 * C
+    blocks = list(range(20, 29))
+    s.update_state_after_alloc(req, Blocks(blocks), 4 * C)
+    # the step restores chunks 0-3 and computes the last 5 tokens: nothing to save
+    step = s.build_connector_meta(scheduled_new("r1", blocks, 4 * C, len(tokens) - 4 * C))
+    assert [ld.req_id for ld in step.loads] == ["r1"] and saved(step) == []
+    # blocks 24.. failed: vLLM's next step recomputes from 2 chunks computed
+    out = output(cached=[("r1", None, 2 * C, len(tokens) - 2 * C)])
+    got = saved(s.build_connector_meta(out))
+    assert [(p, ids) for p, _, ids in got] == [(2, [24, 25]), (3, [26, 27])]
+    assert s.take_stats()["saves_rewound"] == 1
+    # a request that went on as planned is not rewound
+    req2 = request("r2", tokens)
+    s.on_new_request(req2)
+    assert ask(s, req2, sync=True) == 4 * C
+    s.update_state_after_alloc(req2, Blocks(list(range(40, 49))), 4 * C)
+    s.build_connector_meta(scheduled_new("r2", list(range(40, 49)), 4 * C, 5))
+    assert saved(s.build_connector_meta(output(cached=[("r2", None, 4 * C + 5, 1)]))) == []
+    assert "saves_rewound" not in s.take_stats()
+    s.shutdown()
+    kvc.close()
+
+
 def test_chunks_taken_as_stored_are_saved_once_the_lookup_says_otherwise(tmp_path: Path) -> None:
     """vLLM's own cache held 3 chunks, so the request was scheduled without its lookup
     (held here until then, so the order is certain); only chunk 0 is in the index (say

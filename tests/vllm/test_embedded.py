@@ -279,3 +279,16 @@ def test_a_corrupt_object_under_sync_loads_is_recomputed(
     assert delta["verify_failures"] == 1
     assert delta["loaded_tokens"] == CHUNK
     assert delta["load_failed_blocks"] == 3 * CHUNK // 128
+    # the damaged object is deleted after its entry, and vLLM took B back to chunk 1 and
+    # recomputed from there: those chunks are saved again (before, nobody saved chunk 1 and
+    # a re-push of the same bytes named the damaged object again)
+    assert delta.get("damaged_deleted", 0) == 1
+    assert delta.get("saves_rewound", 0) == 1
+    assert wait_stored(store, prompt) == 4
+    c = servers["C"]
+    before_c = c.metrics()
+    again = [*prompt, *prompt_tokens(40, seed=35)]
+    got2 = c.complete(again, max_tokens=8)
+    assert cached_tokens(got2) >= 4 * CHUNK
+    assert c.metrics().get("verify_failures", 0) == before_c.get("verify_failures", 0)
+    assert_same_answer(got2, reference.complete(again, max_tokens=8), "C, after B re-saved")

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.kvcloud")
 
 # kvcloud client counters forwarded to vLLM's metrics under their own names
-_CLIENT_COUNTERS = ("missing_objects", "verify_failures", "store_errors")
+_CLIENT_COUNTERS = ("missing_objects", "verify_failures", "store_errors", "damaged_deleted")
 
 
 def _tp_rank(tp: int) -> int:

@@ -78,6 +78,9 @@ class _Saving:
     unsure: int = 0
     lookup: cf.Future[Plan] | None = None
     rewind: bool = False  # resumed before the lookup answered: no backfill, rewind instead
+    # restored in its first step: kept until the next step shows whether the restore held
+    # (vLLM rewinds the request's computed tokens to a failed block, then recomputes)
+    restored: bool = False
 
 
 class SchedulerSide(Lookups):
@@ -378,6 +381,7 @@ class SchedulerSide(Lookups):
             )
             if lookup is not None and not lookup.future.done():
                 saving.unsure, saving.lookup = stored, lookup.future
+            saving.restored = plan.offered
             computed = new.num_computed_tokens + scheduled.get(rid, 0)
             self._collect(rid, saving, computed, meta)
         cached = scheduler_output.scheduled_cached_reqs
@@ -396,7 +400,16 @@ class SchedulerSide(Lookups):
                 saving.unsure, saving.rewind = 0, saving.lookup is not None
             elif new_ids is not None:
                 saving.block_ids.extend(new_ids[0])
-            computed = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
+            before = cached.num_computed_tokens[i]
+            resumed = req_id in cached.resumed_req_ids  # (its handed-over chunks were copied)
+            if not resumed and before < saving.next_chunk * self.ns.chunk_tokens:
+                # vLLM took back computed tokens: a restore in the step failed at that
+                # block (its objects' entries are dropped), and it recomputes from there
+                # into the same blocks: those chunks are saved again as they are recomputed
+                saving.next_chunk = before // self.ns.chunk_tokens
+                self.count(saves_rewound=1)
+            saving.restored = False
+            computed = before + scheduled.get(req_id, 0)
             self._collect(req_id, saving, computed, meta)
 
     def _collect(self, req_id: str, saving: _Saving, computed: int, meta: StepSpec) -> None:
@@ -433,6 +446,7 @@ class SchedulerSide(Lookups):
             saving.request is None
             and saving.next_chunk >= len(saving.fps)
             and saving.lookup is None
+            and not saving.restored
         ):
             self._saving.pop(req_id, None)  # every prompt chunk handed over
         else:
