@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -195,6 +196,21 @@ class Blackhole:
             c.close()
 
 
+class WaitsSeen:
+    """A lookup's future that records the timeout of every wait on it."""
+
+    def __init__(self, future: Any) -> None:
+        self.future = future
+        self.waits: list[float | None] = []
+
+    def result(self, timeout: float | None = None) -> Any:
+        self.waits.append(timeout)
+        return self.future.result(timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.future, name)
+
+
 def hung_index_client(tmp_path: Path, hole: Blackhole) -> KVCloud:
     """A client whose index is the black hole (its store a local folder)."""
     return KVCloud.open(
@@ -211,25 +227,23 @@ def test_a_hung_index_never_holds_the_scheduler(tmp_path: Path) -> None:
         kvc = hung_index_client(tmp_path, hole)
         s = side(kvc, lookup_timeout=0.5, breaker_failures=2, breaker_backoff=30.0)
         tokens = [int(t) for t in make_tokens(4 * C + 5)]
-        calls: list[float] = []
         req = request("r0", tokens)
+        s.on_new_request(req)
+        lookup = s._pending["r0"].future = WaitsSeen(s._pending["r0"].future)
         t_start = time.monotonic()
+        asks = 0
         while True:
-            t0 = time.perf_counter()
             n, _ = s.get_num_new_matched_tokens(req, 0)
-            calls.append(time.perf_counter() - t0)
+            asks += 1
             if n is not None:
                 break
             time.sleep(0.001)  # vLLM's idle step
         assert n == 0
-        assert 0.5 <= time.monotonic() - t_start < 1.5  # the request waited, alone
-        # only the first ask waits its lookup_wait_ms (20 ms); the later ones just look. On a
-        # busy 2-core machine a call may be descheduled for a while, but none waits anywhere
-        # near the half second the lookup takes
-        first, rest = calls[0], sorted(calls[1:])
-        assert first < 0.25, f"the first ask took {first * 1e3:.1f} ms"
-        assert rest[len(rest) // 2] < 0.001, f"median later ask {rest[len(rest) // 2] * 1e3:.2f} ms"
-        assert rest[-1] < 0.25, f"an ask took {rest[-1] * 1e3:.1f} ms"
+        assert time.monotonic() - t_start >= 0.5  # the request waited, alone, its timeout
+        # only the first ask waits, its lookup_wait_ms (20 ms); every later one just looks
+        # (the behaviour, not its timing: a busy 2-core machine stretches any time)
+        assert lookup.waits[0] == 0.02 and asks > 1
+        assert lookup.waits[1:] == [0.0] * (len(lookup.waits) - 1)
         # one timeout opens the breaker: it already cost that request the whole wait
         assert s.index_breaker.is_open
         stats = s.take_stats()
@@ -237,9 +251,8 @@ def test_a_hung_index_never_holds_the_scheduler(tmp_path: Path) -> None:
         assert stats["index_breaker_open"] == 1
         # breaker open: no connection, an answer at once
         before = hole.accepted
-        t0 = time.perf_counter()
         assert s.get_num_new_matched_tokens(request("r9", tokens), 0) == (0, False)
-        assert time.perf_counter() - t0 < 0.005
+        assert "r9" not in s._pending  # answered without a lookup
         assert s.take_stats()["lookups_skipped"] == 1
         time.sleep(0.05)
         assert hole.accepted == before
@@ -420,9 +433,9 @@ def test_a_prefix_vllm_holds_itself_never_waits_for_the_index(tmp_path: Path) ->
         s2 = side(kvc, lookup_wait_ms=300, lookup_timeout=5.0)
         req2 = request("r2", tokens)
         s2.on_new_request(req2)
-        t0 = time.perf_counter()
+        lookup = s2._pending["r2"].future = WaitsSeen(s2._pending["r2"].future)
         assert s2.get_num_new_matched_tokens(req2, 3 * C) == (0, False)
-        assert time.perf_counter() - t0 < 0.05
+        assert lookup.waits == []  # never waited on
         assert s2.take_stats()["lookups_not_waited"] == 1
         # scheduled with the lookup still out: the chunk beyond vLLM's hit of 2 chunks is
         # saved, keyed like the lookup would have, and none of the cached ones
