@@ -148,6 +148,8 @@ class PullMixin(ClientBase):
         in ``dests[i]``: as soon as its bytes are in, for a chunk stored as one format 3
         object, so the caller can use layer l while layer l + 1 is still in flight; after
         the whole chunk otherwise. A chunk that fails may have handed over some layers.
+        An exception ``on_layer`` raises ends the pull (the chunks not yet started are not
+        read) and propagates: how a caller that no longer wants the rest stops it.
 
         With ``heads`` (lo, hi) the destinations hold only KV heads [lo, hi) of the
         namespace's (``[layers, 2, chunk_tokens, hi - lo, head_dim]``: what one tensor-parallel

@@ -227,6 +227,17 @@ def test_a_restore_past_its_deadline_is_abandoned_and_never_writes(tmp_path: Pat
     clock = _Clock()
     ws._clock = clock
     gate = hang_store(kvc)
+    layers_in: list[tuple[int, int]] = []
+    real_pull = kvc.pull_into
+
+    def counted_pull(*args, on_layer, **kwargs):  # type: ignore[no-untyped-def]
+        def seen(i: int, layer: int) -> None:
+            layers_in.append((i, layer))
+            on_layer(i, layer)
+
+        return real_pull(*args, on_layer=seen, **kwargs)
+
+    kvc.pull_into = counted_pull  # type: ignore[method-assign]
     ws.start_load_kv(SimpleNamespace(loads=[spec], saves=[]))  # type: ignore[arg-type]
     assert ws.get_finished(set()) == (None, None)  # still pulling, deadline not reached
     clock.t += 1.5
@@ -239,7 +250,12 @@ def test_a_restore_past_its_deadline_is_abandoned_and_never_writes(tmp_path: Pat
     ws._pool.shutdown(wait=True)
     for cache in ws.caches.values():
         assert not cache.any(), "an abandoned restore wrote into vLLM's blocks"
+    # each chunk's read that was under way (waiting on the hung store) stopped at the first
+    # layer that came in, and one not started never started: no layer 1 was read (before,
+    # every layer of every chunk was pulled and thrown away)
+    assert layers_in and all(layer == 0 for _, layer in layers_in), layers_in
     stats = ws.take_stats()
+    assert stats["pulls_stopped"] == 1
     assert stats["load_timeouts"] == 1
     assert ws.store_breaker.is_open  # one timeout is enough: the next request is spared it
     # the object is remembered: the scheduler side hears of it

@@ -75,6 +75,11 @@ TORCH_DTYPES = {
 }
 
 
+class _GivenUp(Exception):
+    """Raised from a pull's layer callback once its restore was given up: the pull stops
+    at that layer instead of reading the rest of its objects from the store."""
+
+
 @dataclass
 class Load:
     spec: LoadSpec
@@ -375,6 +380,8 @@ class Restores:
         if go:
             try:
                 result = self._pull_part(load, part)
+            except _GivenUp:  # reported failed already; the rest of its objects not read
+                self.count(pulls_stopped=1)
             except Exception as exc:  # reported failed (recomputed), never raised into vLLM
                 error = exc
         with load.lock:
@@ -410,7 +417,9 @@ class Restores:
             i = part.start + j
             with load.lock:  # writes are serialized, so their seconds add up to wall time
                 if load.abandoned:
-                    return  # vLLM may have given the blocks to another request
+                    # vLLM may have given the blocks to another request; and nothing more
+                    # of this restore is wanted: stop pulling (a sick store is spared it)
+                    raise _GivenUp
                 t0 = time.monotonic()
                 with self.streams.loading(load.after):
                     self._write_layer(load, names[layer], i, layer, targets[j])

@@ -57,6 +57,7 @@ COUNTERS: dict[str, str] = {
     "save_us": "microseconds the forward thread spent copying chunks out for saving",
     "load_failed_blocks": "blocks vLLM was told to recompute (load failed)",
     "load_timeouts": "restores that ran past load_timeout (auto in the step: four budgets)",
+    "pulls_stopped": "pulls of restores given up, stopped at a layer instead of read to the end",
     "loads_refused": "restores failed at once (store breaker open, object remembered bad)",
     "load_queue_timeouts": "restores given up still queued on this worker: not blamed on the store",
     "missing_objects": "objects named by the index but gone from the store",
