@@ -528,3 +528,39 @@ def test_a_slow_lookup_counts_its_time_and_the_steps_it_deferred(
     assert ask(s, request("r1", tokens)) == 4 * C
     assert 0 < s.take_stats()["lookup_us"] < 80_000
     s.shutdown()
+
+
+def test_adapter_digests_and_remembered_bad_objects_stay_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server up for weeks sees adapters re-pointed and objects go bad: the digest cache
+    keeps the newest ``_ADAPTERS_KEPT`` (a digest evicted is computed again, the same),
+    and the worker forgets bad objects whose memory ran out."""
+    from kvcloud.integrations.vllm import keys
+
+    monkeypatch.setattr(keys, "_ADAPTERS_KEPT", 3)
+    monkeypatch.setattr(keys, "_adapter_digests", {})
+    digests = []
+    for i in range(5):
+        folder = tmp_path / f"a{i}"
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text("{}")
+        (folder / "adapter_model.safetensors").write_bytes(b"w%d" % i)
+        digests.append(keys.adapter_digest(str(folder)))
+    assert len(keys._adapter_digests) == 3
+    assert keys.adapter_digest(str(tmp_path / "a0")) == digests[0]  # computed again
+    assert len(set(digests)) == 5
+
+    from kvcloud.integrations.vllm.loads import Restores
+
+    r = Restores.__new__(Restores)
+    now = [0.0]
+    r._clock = lambda: now[0]
+    r.cfg = VLLMConnectorConfig(failure_memory=60.0)
+    r._meta_lock = threading.Lock()
+    r._bad_objects, r._new_bad = {}, {}
+    for i in range(5000):
+        now[0] = float(i)  # each remembered for 60 s: most have expired by the last
+        r._remember_bad(f"key{i}")
+    assert len(r._bad_objects) <= 4097
+    assert r._is_bad("key4999") and not r._is_bad("key0")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -420,7 +421,9 @@ def request_tenant(base: str, cache_salt: str | None) -> str:
 # -- what else vLLM's block hash covers ---------------------------------------------------------
 
 _ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
-_adapter_digests: dict[tuple[str, int, int], str] = {}
+_adapter_digests: dict[tuple[str, int, int], str] = {}  # oldest first, at most _ADAPTERS_KEPT
+_ADAPTERS_KEPT = 1024  # adapters (and versions of one) a server has seen; each entry ~200 bytes
+_adapter_lock = threading.Lock()  # lookup threads digest concurrently
 
 
 def adapter_digest(path: str) -> str:
@@ -436,14 +439,19 @@ def adapter_digest(path: str) -> str:
         sum(s.st_size for s in stat),
         max(s.st_mtime_ns for s in stat),
     )
-    digest = _adapter_digests.get(cache_key)
+    with _adapter_lock:
+        digest = _adapter_digests.get(cache_key)
     if digest is None:
         h = hashlib.sha256()
         for f in files:
             h.update(f.name.encode() + b"\0")
             with open(f, "rb") as fh:
                 h.update(hashlib.file_digest(fh, "sha256").digest())
-        digest = _adapter_digests[cache_key] = h.hexdigest()
+        digest = h.hexdigest()
+        with _adapter_lock:
+            _adapter_digests[cache_key] = digest
+            while len(_adapter_digests) > _ADAPTERS_KEPT:  # adapters re-pointed for weeks
+                del _adapter_digests[next(iter(_adapter_digests))]
     return digest
 
 

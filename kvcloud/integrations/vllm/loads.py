@@ -329,9 +329,12 @@ class Restores:
             return True
 
     def _remember_bad(self, key: str) -> None:
-        until = self._clock() + self.cfg.failure_memory
+        now = self._clock()
+        until = now + self.cfg.failure_memory
         with self._meta_lock:
             self._bad_objects[key] = until
+            if len(self._bad_objects) > 4096:  # bounded: forget the ones that expired
+                self._bad_objects = {k: t for k, t in self._bad_objects.items() if t > now}
             self._new_bad[key] = self.cfg.failure_memory
 
     def _staging(self, n_chunks: int) -> torch.Tensor:
