@@ -10,6 +10,7 @@ Reliability rules (DESIGN §4) enforced here:
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import functools
 from collections.abc import Callable, Sequence
 
@@ -289,7 +290,20 @@ class PullMixin(ClientBase):
         n = len(m.chunks)
         if n == 0:
             return 0, [], 0
-        outcomes = [fetch(0)] if n == 1 else list(self.store.executor.map(fetch, range(n)))
+        if n == 1:
+            outcomes = [fetch(0)]
+        else:
+            futures = [self.store.executor.submit(fetch, i) for i in range(n)]
+            try:
+                outcomes = [f.result() for f in futures]
+            except BaseException:
+                # (an on_layer that wants no more, or a bug): the fetches not started never
+                # start, and the ones under way end before the exception reaches the caller,
+                # who may hand the destinations to someone else
+                for f in futures:
+                    f.cancel()
+                cf.wait(futures)
+                raise
         n_ok = 0
         while n_ok < n and outcomes[n_ok][0] == "ok":
             n_ok += 1

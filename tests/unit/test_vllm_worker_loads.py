@@ -24,6 +24,7 @@ or because its deadline passed); how fast it is belongs to scripts/bench_vllm_*.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 from pathlib import Path
@@ -317,19 +318,48 @@ def test_the_null_block_of_a_sliding_window_is_never_written(tmp_path: Path) -> 
     assert ws.take_stats()["loaded_tokens"] == 6 * BS
 
 
-def test_staging_is_reused_and_stays_correct(tmp_path: Path) -> None:
-    ws, _, kv, spec = setup(tmp_path, staging_mib=1)
+def test_staging_is_one_bounded_ring_reused_by_every_restore(tmp_path: Path) -> None:
+    """Restores stream through one ring of ``staging_mib`` (at least one chunk), allocated
+    once: a restore larger than the ring pulls its chunks in groups through the same slots,
+    bit for bit, and restores in the step (one thread per chunk) share it too (defect 7:
+    before, every step allocated staging for all of its restores, on the forward thread)."""
+    ws, kvc, kv, spec = setup(tmp_path, staging_mib=1)  # 1 MiB: room for every chunk here
     assert step(ws, spec) == set()
-    kept = ws._kept
-    assert kept is not None
+    ring = ws._ring
+    assert ring is not None and ring.slots >= N_CHUNKS
+    buf = ring._buf
     for cache in ws.caches.values():
         cache.zero_()
     assert step(ws, spec) == set()
-    assert ws._kept is kept  # no fresh memory for the same restore
+    assert ws._ring is ring and ring._buf is buf  # no fresh memory for the next restore
     assert_blocks_hold(ws, kv, spec, range(N_CHUNKS))
-    # a restore that does not fit the cap gets memory of its own, correctly filled
-    small, *_ = setup(tmp_path / "small", staging_mib=0)
-    assert step(small, spec) == set() and small._kept is None
+    # a ring of one chunk: four chunks through one slot, one after another, still bit-exact
+    small, _, kv2, spec2 = setup(tmp_path / "small", staging_mib=0)
+    opened: list[str] = []
+    real_open = small.client.store.open_read
+
+    def seen_open(key: str):  # type: ignore[no-untyped-def]
+        opened.append(key)
+        return real_open(key)
+
+    small.client.store.open_read = seen_open  # type: ignore[method-assign]
+    assert step(small, spec2) == set()
+    ring2 = small._ring
+    assert ring2 is not None and ring2.slots == 1
+    assert ring2.allocated_bytes == math.prod(small._chunk_shape) * 4  # float32: one chunk
+    assert opened == [ch.object_key for ch in spec2.chunks]  # in order, one at a time
+    assert_blocks_hold(small, kv2, spec2, range(N_CHUNKS))
+    # in the step: a thread per chunk, all through the one slot
+    for cache in small.caches.values():
+        cache.zero_()
+    sync = LoadSpec(spec2.req_id, spec2.tenant, spec2.chunks, sync=True)
+    small.start_load_kv(meta(sync))  # type: ignore[arg-type]
+    forward(small)
+    small.wait_for_save()
+    small.get_finished(set())
+    assert small.get_block_ids_with_load_errors() == set()
+    assert_blocks_hold(small, kv2, sync, range(N_CHUNKS))
+    assert ring2._free == [0]  # every slot given back
 
 
 def test_a_sync_restore_is_written_before_the_forward_pass(tmp_path: Path) -> None:

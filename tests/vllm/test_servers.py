@@ -132,6 +132,20 @@ def test_corrupt_and_deleted_objects_and_dead_redis_are_recomputed(
     assert_same_answer(
         again, reference.complete([*prompt, 9, 9, 9], max_tokens=4), "S2, after the drop"
     )
+    # the flipped object's bytes did not match its key: deleted after its entry. S2 saved
+    # chunks 2..6 again as it recomputed them, so the store is whole once more: a plain
+    # client reads all 7 (before, a re-push of chunk 2's bytes found the damaged object
+    # "already there" and named it again)
+    assert delta.get("damaged_deleted", 0) == 1
+    assert wait_stored(env, prompt) == 7
+    with KVCloud.open(store=env["KVCLOUD_STORE"], index=env["KVCLOUD_INDEX"], secret=SECRET) as k:
+        pulled = k.pull_detailed(k.lookup(connector_namespace(), prompt))
+    assert pulled.chunks == 7 and not pulled.failures, pulled.failures
+    try:  # the same key again where the recompute was bit for bit, else another key
+        rewritten: bytes | None = s3.get_object(Bucket=bucket, Key=keys[2])["Body"].read()
+    except s3.exceptions.NoSuchKey:
+        rewritten = None
+    assert rewritten != bytes(body)
 
     # Redis dies: lookups and pushes fail, answers stay right
     redis.kill()

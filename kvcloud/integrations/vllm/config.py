@@ -149,10 +149,11 @@ class VLLMConnectorConfig:
     """Parallel transfers per process."""
 
     staging_mib: int = field(default=512, metadata={"env": "KVCLOUD_STAGING_MIB"})
-    """Host memory (MiB) kept between restores to receive pulled chunks before they are
-    written into vLLM's blocks. Reusing it spares every restore the page faults of fresh
-    memory (docs/VLLM.md has the measured gain); a restore needing more allocates what it
-    needs for itself. 0: allocate per restore."""
+    """Host memory (MiB; pinned on a GPU) every restore's pulled chunks stream through
+    before they are written into vLLM's blocks: one ring, allocated once by the first
+    restore, reused by all (no page faults, no allocation on the forward thread). Restores
+    needing more than it holds at once pull their chunks in groups; it always holds at least
+    one chunk (0: exactly one)."""
 
     connect_timeout: float = field(default=2.0, metadata={"env": "KVCLOUD_CONNECT_TIMEOUT"})
     """Seconds to connect to the store or index."""

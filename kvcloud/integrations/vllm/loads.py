@@ -5,13 +5,14 @@ says ``sync``: ``load_mode=sync``, or ``auto`` when measured short), so a slow s
 forward pass wait beyond that. ``start_load_kv`` hands each restore beside the pass to a load
 thread, which pulls every matched object in parallel (on the store's threads), and each chunk of
 a restore in the step to a thread of its own (never queued behind a restore beside the pass, nor
-behind its pulls on the store's threads). Each object is streamed straight into its own slice of
-a staging array in kvcloud's layout and hashed as it lands, and each layer of each chunk is
+behind its pulls on the store's threads). Each object is streamed straight into a slot of the
+staging ring (staging.py: bounded, allocated once) in kvcloud's layout and hashed as it lands,
+and each layer of each chunk is
 written into the request's blocks as soon as that layer is verified — blocks no forward pass
 reads until vLLM is told the load is over (or, in the step, until that layer is written). After
 each step ``get_finished`` reports the restores that are over: done, or past their deadline
-(then abandoned: the thread may finish pulling into staging, but it can no longer touch vLLM's
-blocks). The deadline is ``load_timeout`` from when the restore's pull started; a restore still
+(then abandoned: its pulls stop at the next layer that arrives, and never touch vLLM's blocks
+again). The deadline is ``load_timeout`` from when the restore's pull started; a restore still
 queued on this worker ``load_timeout`` after it was submitted is given up too, but the store
 never had it: that is not counted against the store (its breaker, the objects remembered as
 bad). A chunk that is missing, corrupt, late or unreachable — and every chunk after it — is
@@ -41,7 +42,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -55,6 +55,7 @@ from .._torch import to_numpy
 from .device import PASSED, Fence
 from .layout import Blocks, block_index
 from .specs import NULL_BLOCK, LoadSpec
+from .staging import StagingRing
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -83,7 +84,6 @@ class _GivenUp(Exception):
 @dataclass
 class Load:
     spec: LoadSpec
-    staging: torch.Tensor  # [chunks, layers, 2, chunk_tokens, heads, dim]
     # when it is given up (clock): its submission plus ``timeout`` while it is queued here,
     # then its pull's start plus ``timeout`` (the store is answerable from then on only)
     deadline: float
@@ -192,8 +192,8 @@ class Restores:
         # restores the forward pass of this step reads (load_mode=sync, or auto when short):
         # it waits for each layer (wait_for_layer_load); they are settled after the pass
         self._stepping: list[Load] = []
-        self._kept: torch.Tensor | None = None  # staging reused across restores
-        self._kept_users: list[Load] = []
+        self._ring: StagingRing | None = None  # host staging, made on first use
+        self._ring_lock = threading.Lock()
         self._failed_blocks: set[int] = set()
         self.store_breaker = cfg.breaker("store", clock, self._breaker_changed)
         self._bad_objects: dict[str, float] = {}  # object key -> until (clock)
@@ -337,22 +337,17 @@ class Restores:
                 self._bad_objects = {k: t for k, t in self._bad_objects.items() if t > now}
             self._new_bad[key] = self.cfg.failure_memory
 
-    def _staging(self, n_chunks: int) -> torch.Tensor:
-        """Room for ``n_chunks`` pulled chunks: the kept buffer when it is free and big
-        enough (an abandoned pull may still be writing into it), else fresh memory."""
-        shape = (n_chunks, *self._chunk_shape)
-        dtype = TORCH_DTYPES[self.ns.dtype]
-        free = all(load.future is None or load.future.done() for load in self._kept_users)
-        if free:
-            self._kept_users = []
-            kept = self._kept
-            if kept is not None and kept.shape[0] >= n_chunks:
-                return kept[:n_chunks]
-            nbytes = math.prod(shape) * dtype.itemsize
-            if nbytes <= self.cfg.staging_mib << 20:
-                self._kept = self.streams.host_empty(shape, dtype)
-                return self._kept
-        return self.streams.host_empty(shape, dtype)
+    def _staging(self) -> StagingRing:
+        """The ring every restore's pulls stream through (staging.py): ``staging_mib``."""
+        with self._ring_lock:
+            if self._ring is None:
+                self._ring = StagingRing(
+                    self.streams,
+                    self._chunk_shape,
+                    TORCH_DTYPES[self.ns.dtype],
+                    self.cfg.staging_mib << 20,
+                )
+            return self._ring
 
     def _submit(self, load: Load) -> None:
         """Start a restore's pulls. Beside the pass, one on a load thread (the store's
@@ -378,18 +373,15 @@ class Restores:
                 load.started = self._clock()
                 load.deadline = load.started + load.timeout
                 load.began = time.monotonic()
-        result: PullResult | None = None
         error: BaseException | None = None
         if go:
             try:
-                result = self._pull_part(load, part)
+                self._pull_part(load, part)
             except _GivenUp:  # reported failed already; the rest of its objects not read
                 self.count(pulls_stopped=1)
             except Exception as exc:  # reported failed (recomputed), never raised into vLLM
                 error = exc
         with load.lock:
-            if result is not None:
-                load.results.append((part, result))
             if error is not None:
                 load.errors.append(error)
             load.parts -= 1
@@ -397,13 +389,35 @@ class Restores:
         if last:
             self._end(load)
 
-    def _pull_part(self, load: Load, part: range) -> PullResult:
-        """Pull chunks ``part``; each layer of each chunk is written into its blocks as soon
-        as it is verified (object format 3 verifies layer by layer), so the forward pass of a
-        restore in the step can run layer l while later layers are still in flight."""
+    def _pull_part(self, load: Load, part: range) -> None:
+        """Pull chunks ``part`` through the staging ring, as many at once as it has slots,
+        each group's result added to the restore's as it ends; a group with a chunk that
+        failed ends the part (the chunks after it are recomputed anyway)."""
+        ring = self._staging()
+        for first in range(part.start, part.stop, ring.slots):
+            group = range(first, min(first + ring.slots, part.stop))
+            slots = ring.acquire(
+                len(group), lambda: load.abandoned or self._clock() >= load.deadline
+            )
+            if slots is None:
+                raise _GivenUp  # its deadline passed waiting for room: recomputed
+            try:
+                result = self._pull_group(load, group, [ring.view(k) for k in slots])
+            finally:  # the pulls into them ended: every write from them is done
+                ring.release(slots)
+            with load.lock:
+                load.results.append((group, result))
+            if result.chunks < len(group):
+                return
+
+    def _pull_group(self, load: Load, group: range, staging: list[torch.Tensor]) -> PullResult:
+        """Pull chunks ``group`` into ``staging`` (one slot each); each layer of each chunk is
+        written into its blocks as soon as it is verified (object format 3 verifies layer by
+        layer), so the forward pass of a restore in the step can run layer l while later
+        layers are still in flight."""
         spec = load.spec
         c = self.ns.chunk_tokens
-        chunks = spec.chunks[part.start : part.stop]
+        chunks = spec.chunks[group.start : group.stop]
         refs = tuple(
             ChunkRef(ch.position, ch.fp, ch.parent, IndexEntry(ch.object_key, c, ch.size, 0.0))
             for ch in chunks
@@ -417,7 +431,6 @@ class Restores:
         names = {layer: name for name, layer in self.layer_index.items()}
 
         def write(j: int, layer: int) -> None:
-            i = part.start + j
             with load.lock:  # writes are serialized, so their seconds add up to wall time
                 if load.abandoned:
                     # vLLM may have given the blocks to another request; and nothing more
@@ -425,14 +438,14 @@ class Restores:
                     raise _GivenUp
                 t0 = time.monotonic()
                 with self.streams.loading(load.after):
-                    self._write_layer(load, names[layer], i, layer, targets[j])
+                    self._write_layer(names[layer], staging[j][layer], targets[j])
                 load.write_s += time.monotonic() - t0
                 load.written[layer] += 1
                 load.layer_in.notify_all()
 
         return self.client.pull_into(
             m,
-            list(to_numpy(load.staging[part.start : part.stop])),
+            [to_numpy(buf) for buf in staging],
             heads=self.shard.heads,
             layers=self.shard.layers,
             on_layer=write,
@@ -505,13 +518,13 @@ class Restores:
         return written
 
     def _write_layer(
-        self, load: Load, name: str, i: int, layer: int, spans: list[tuple[int, int, Blocks]]
+        self, name: str, kv: torch.Tensor, spans: list[tuple[int, int, Blocks]]
     ) -> None:
-        """One verified layer of chunk ``i`` into its blocks: one ``index_copy_`` per span of
-        blocks (one per chunk, as a rule), whatever the blocks' order in the cache."""
+        """One verified layer of a chunk (``kv``: ``[2, chunk_tokens, heads, dim]``) into its
+        blocks: one ``index_copy_`` per span of blocks (one per chunk, as a rule), whatever
+        the blocks' order in the cache."""
         bs = self.block_size
         cache, layout = self.caches[name], self.layouts[name]
-        kv = load.staging[i, layer]  # [2, chunk_tokens, heads, dim]
         for a, b, ids in spans:
             layout.scatter(cache, ids, kv[:, a * bs : b * bs])
 

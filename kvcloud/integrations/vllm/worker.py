@@ -226,29 +226,21 @@ class WorkerSide(Restores):
         specs = [spec for spec in meta.loads if spec.chunks]
         for spec in meta.loads:
             if not spec.chunks:  # nothing to pull (cannot happen from our scheduler side)
-                self._loads[spec.req_id] = Load(spec, torch.empty(0), 0.0)
+                self._loads[spec.req_id] = Load(spec, 0.0)
         if not specs:
             return
-        buf = self._staging(sum(len(spec.chunks) for spec in specs))
-        shared = self._kept is not None and buf.data_ptr() == self._kept.data_ptr()
-        first = 0
         handed_over = self.streams.mark()
         for spec in specs:
-            # one contiguous [layers, 2, chunk_tokens, heads, dim] per chunk, so each
-            # object streams straight in and is hashed as it lands
-            staging = buf[first : first + len(spec.chunks)]
-            first += len(spec.chunks)
             timeout = self._timeout(spec)
             # until its pull starts, the deadline counts from now (a restore queued here as
-            # long as it may run is given up); from its start once it does (loads.py)
-            load = Load(spec, staging, self._clock() + timeout, after=handed_over, timeout=timeout)
+            # long as it may run is given up); from its start once it does (loads.py). Its
+            # objects stream through the staging ring on the load threads (staging.py)
+            load = Load(spec, self._clock() + timeout, after=handed_over, timeout=timeout)
             load.written = [0] * self.num_layers
             if self._in_step_load(spec):
                 self._stepping.append(load)
             else:
                 self._loads[spec.req_id] = load
-            if shared:
-                self._kept_users.append(load)
             load.limit = (
                 0
                 if spec.refused
@@ -269,7 +261,7 @@ class WorkerSide(Restores):
         for spec in meta.loads:
             if spec.req_id in self._loads or spec.req_id in stepping:
                 continue
-            load = Load(spec, torch.empty(0), 0.0)  # no future: failed, nothing written
+            load = Load(spec, 0.0)  # no future: failed, nothing written
             if self._in_step_load(spec):
                 self._stepping.append(load)  # its blocks reported failed after the step
             else:
