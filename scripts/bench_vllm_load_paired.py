@@ -286,13 +286,23 @@ def _turn_extra_ms(blocks: list[dict[str, Any]], name: str, ref: str) -> list[fl
     return diffs
 
 
-def _kvcloud_costs(blocks: list[dict[str, Any]], name: str) -> dict[str, str]:
+def _kvcloud_costs(blocks: list[dict[str, Any]], name: str, chunk: int) -> dict[str, str]:
     """The connector's counters summed over a kvcloud setup's phases, per restore and per
-    lookup."""
+    lookup; and the full chunks the conversations computed (each one's last turn: prompt
+    and answer but its last token), against the chunks the connector queued for upload."""
     c: dict[str, float] = {}
+    full = 0
     for b in blocks:
-        for k, v in b["phases"].get(name, {}).get("kvcloud", {}).items():
+        phase = b["phases"].get(name, {})
+        for k, v in phase.get("kvcloud", {}).items():
             c[k] = c.get(k, 0) + v
+        last: dict[int, dict[str, Any]] = {}
+        for t in phase.get("turns", []):
+            if not t["error"] and t["turn"] >= last.get(t["conv"], {}).get("turn", -1):
+                last[t["conv"]] = t
+        full += sum(
+            max(0, t["prompt_tokens"] + t["completion_tokens"] - 1) // chunk for t in last.values()
+        )
     if not c.get("lookups"):
         return {}
     loads = max(c.get("loads", 0), 1)
@@ -306,7 +316,12 @@ def _kvcloud_costs(blocks: list[dict[str, Any]], name: str) -> dict[str, str]:
         "waiting to be reported": f"{c.get('load_report_us', 0) / 1e3 / loads:.1f}",
         "tokens restored": f"{c.get('loaded_tokens', 0):.0f}",
         "forward-thread save copies, s": f"{c.get('save_us', 0) / 1e6:.2f}",
+        "full chunks the histories hold (at least)": f"{full}",
+        "chunks queued": f"{c.get('chunks_queued', 0):.0f}",
         "chunks pushed": f"{c.get('chunks_pushed', 0):.0f}",
+        "found already stored": f"{c.get('chunks_already_stored', 0):.0f}",
+        "backfilled": f"{c.get('chunks_backfilled', 0):.0f}",
+        "lookups not waited": f"{c.get('lookups_not_waited', 0):.0f}",
         "dropped": f"{c.get('upload_dropped', 0):.0f}",
     }
 
@@ -388,7 +403,7 @@ def report(res: dict[str, Any]) -> str:
                         f"first, {len(d)} pairs): median {np.median(d):+.0f} ms, quartiles "
                         f"{q1:+.0f} / {q3:+.0f} ms."
                     )
-            costs = _kvcloud_costs(blocks, name)
+            costs = _kvcloud_costs(blocks, name, c["chunk_tokens"])
             if costs:
                 lines.append(
                     f"\nWhat {name}'s connector did, over its phases: "
