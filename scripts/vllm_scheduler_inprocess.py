@@ -114,9 +114,24 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         default=40,
         help="max_tokens of the requests of the load scenarios",
     )
+    p.add_argument(
+        "--burst",
+        nargs="+",
+        metavar="LABEL=INDEX_URL",
+        default=[],
+        help="a burst of --burst-requests new requests while one decodes, once per index "
+        "(e.g. healthy=redis://... slow=redis://<a proxy holding each reply>)",
+    )
+    p.add_argument("--burst-requests", type=int, default=48)
+    p.add_argument(
+        "--burst-step-ms",
+        type=float,
+        default=50.0,
+        help="the forward pass each engine step stands for (slept): no model runs here",
+    )
     a = p.parse_args(argv)
-    if not (a.v2 or a.v1 or a.failed_first_chunk or a.abort_while_loading):
-        p.error("give --v2, --v1, --failed-first-chunk and/or --abort-while-loading")
+    if not (a.v2 or a.v1 or a.failed_first_chunk or a.abort_while_loading or a.burst):
+        p.error("give --v2, --v1, --failed-first-chunk, --abort-while-loading and/or --burst")
     return a
 
 
@@ -792,6 +807,88 @@ def run_abort_while_loading(a: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# -- a burst of new requests against a slow index (issue 40 defect 4) -------------------------
+
+
+def run_burst(a: argparse.Namespace, label: str, index: str) -> dict[str, Any]:
+    """One request decodes; ``a.burst_requests`` new ones arrive at once. vLLM's scheduler
+    asks the connector about every waiting request it has room for in one ``schedule()``
+    pass: against a slow index, each pass may wait ``lookup_wait_ms`` once, not once per
+    request (the code before waited per request: 16 requests a pass × 20 ms). Measured per
+    engine step: its wall time (the decoding request's inter-token gap; the forward pass is
+    ``--burst-step-ms`` slept, no model runs here) and the connector's own time on the
+    scheduler's thread (``scheduler_us``)."""
+    _setup_env()
+    from vllm.v1.request import RequestStatus
+
+    import kvcloud
+
+    wait_ms = 20.0
+    t0 = time.monotonic()
+    sized = argparse.Namespace(**{**vars(a), "blocks": 1024})  # room for every request
+    with tempfile.TemporaryDirectory(prefix="kvcloud-burst-") as tmp:
+        scheduler = build_scheduler(
+            sized,
+            False,
+            Path(tmp),
+            {"index": index, "lookup_wait_ms": wait_ms, "lookup_timeout": 30.0},
+        )
+        watch = Watch(scheduler.connector)
+        hasher = block_hasher(scheduler)
+        rng = random.Random(a.seed + 11)
+
+        def prompt() -> list[int]:  # a full chunk and some: every lookup asks the index
+            return [rng.randrange(200, 48_000) for _ in range(a.chunk_tokens + 40)]
+
+        stream = make_request(hasher, "stream", prompt(), 100_000)
+        scheduler.add_request(stream)
+        loop = Loop(scheduler, a.seed, set())
+        while stream.num_output_tokens < 3:  # decoding
+            loop.step()
+        burst = [
+            make_request(hasher, f"burst-{i}", prompt(), 4, float(i))
+            for i in range(a.burst_requests)
+        ]
+        for req in burst:
+            scheduler.add_request(req)
+        gaps: list[float] = []
+        connector_ms: list[float] = []
+        deadline = time.monotonic() + 120
+        while any(r.status != RequestStatus.FINISHED_LENGTH_CAPPED for r in burst):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the burst did not finish in 120 s ({len(gaps)} steps)")
+            before = watch.totals()["scheduler_us"]
+            step_t0 = time.perf_counter()
+            loop.step()
+            time.sleep(a.burst_step_ms / 1e3)
+            gaps.append(time.perf_counter() - step_t0)
+            connector_ms.append((watch.totals()["scheduler_us"] - before) / 1e3)
+        stats = watch.totals()
+        streamed = stream.num_output_tokens
+        scheduler.finish_requests("stream", RequestStatus.FINISHED_ABORTED)
+        watch.close()
+        scheduler.shutdown()
+    return {
+        "scenario": f"burst-{label}",
+        "kvcloud": kvcloud.__file__,
+        "index": index,
+        "requests": a.burst_requests,
+        "lookup_wait_ms": wait_ms,
+        "step_ms": a.burst_step_ms,
+        "steps": len(gaps),
+        "stream_tokens_meanwhile": streamed,
+        "max_gap_ms": round(1e3 * max(gaps), 2),
+        "p50_gap_ms": round(1e3 * sorted(gaps)[len(gaps) // 2], 2),
+        "max_connector_ms_per_step": round(max(connector_ms), 2),
+        "lookups": stats["lookups"],
+        "lookup_deferrals": stats["lookup_deferrals"],
+        "lookup_timeouts": stats["lookup_timeouts"],
+        "lookup_queue_timeouts": stats["lookup_queue_timeouts"],
+        "caught": watch.caught,
+        "seconds": round(time.monotonic() - t0, 2),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
     for v2 in [m for m, asked in ((True, a.v2), (False, a.v1)) if asked]:
@@ -801,6 +898,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(run_failed_first_chunk(a, bad_objects)), flush=True)
     if a.abort_while_loading:
         print(json.dumps(run_abort_while_loading(a)), flush=True)
+    for spec in a.burst:
+        label, _, index = spec.partition("=")
+        print(json.dumps(run_burst(a, label, index)), flush=True)
     return 0
 
 
