@@ -1,6 +1,7 @@
 """Three vLLM servers sharing KV through kvcloud's embedded default (file:// store +
 sqlite:// index), checked against a vLLM without any connector. (A stop right after an
-answer, and a fresh server restoring what the stopped one pushed: test_stop.py.)
+answer, and a fresh server restoring what the stopped one pushed: test_stop.py.) A and B
+also replay multi-turn conversations, no pause between turns, moving every other turn.
 
 A writes, and loads with ``load_mode=async``; B loads with ``load_mode=sync`` (the
 restore runs inside the step that schedules the request), so every restore into B here is
@@ -10,6 +11,7 @@ later one in the step."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,12 +27,14 @@ from scripts.vllm_fleet import (
     kvcloud_transfer_config,
 )
 from tests.vllm.conftest import embedded_env, prompt_tokens, serving
+from tests.vllm.conversations import replay, settled
 from tests.vllm.helpers import assert_same_answer, wait_stored
 
 # vLLM servers take ~40 s each to start, more when several start together on 2 cores
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 CHUNK = 256
+BLOCK = 128  # vLLM's CPU backend's block size (A's and B's)
 
 
 @pytest.fixture(scope="module")
@@ -292,3 +296,116 @@ def test_a_corrupt_object_under_sync_loads_is_recomputed(
     assert cached_tokens(got2) >= 4 * CHUNK
     assert c.metrics().get("verify_failures", 0) == before_c.get("verify_failures", 0)
     assert_same_answer(got2, reference.complete(again, max_tokens=8), "C, after B re-saved")
+
+
+def test_every_chunk_of_a_conversation_is_saved_once_and_restored_when_it_moves(
+    servers: dict[str, VLLMServer], reference: VLLMServer, store: dict[str, str]
+) -> None:
+    """Three conversations of four turns at once on A and B, no pause between turns (as an
+    agent sends them), moving at turns 1 and 3: every full chunk a conversation computes
+    reaches the store, once, and a turn that moved restores its history up to the previous
+    turn's last full chunk, answering as a vLLM without the connector. (Issue 40 found most
+    of a conversation's chunks never saved: a request vLLM's own cache served was scheduled
+    before its index lookup was back and every chunk in that cache was taken as stored.)"""
+    pair = [servers["A"], servers["B"]]
+    route = "A/B, moving every other turn"
+    before = settled(pair)
+    turns = replay(pair, convs=3, turns=4, seed=7000)
+    after = settled(pair)
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    # every conversation's full chunks, from its last turn: prompt and answer but the last
+    # token (sampled, its KV never computed)
+    last = {t.conv: t for t in turns}
+    unique = 0
+    for t in last.values():
+        computed = t.prompt + completion_ids(t.resp)[:-1]
+        n = len(computed) // CHUNK
+        unique += n
+        # every one reaches the store (pushes are asynchronous: a few seconds at most)
+        assert wait_stored(store, computed, want=n, timeout=30) == n, f"conversation {t.conv}"
+    queued = delta.get("chunks_queued", 0.0)
+    print(
+        f"{route}: {len(turns)} turns, {unique} full chunks, {queued:.0f} queued, "
+        f"{delta.get('chunks_pushed', 0.0):.0f} pushed, "
+        f"{delta.get('chunks_already_stored', 0.0):.0f} already stored, "
+        f"{delta.get('chunks_backfilled', 0.0):.0f} backfilled, "
+        f"{delta.get('lookups_not_waited', 0.0):.0f} lookups not waited, "
+        f"{delta.get('loaded_tokens', 0.0):.0f} tokens restored"
+    )
+    # stored once: nothing dropped, each chunk pushed once. A chunk the previous turn's
+    # last decode steps completed may still be in the other server's upload queue when a
+    # moved turn looks it up (the save lag): that turn recomputes it and queues it again,
+    # found already stored; at most one such chunk per moved turn
+    moved = [t for t in turns if t.moved]
+    assert len(moved) == 6 and sum(t.k > 0 and not t.moved for t in turns) == 3
+    assert delta.get("upload_dropped", 0.0) == 0
+    assert delta.get("chunks_pushed", 0.0) == unique
+    assert unique <= queued <= unique + len(moved), f"{queued:.0f} queued for {unique} chunks"
+    for t in moved:
+        # the history up to the previous turn's last full chunk, from kvcloud, but never
+        # the block holding the prompt's last token (vLLM computes it to sample)
+        # (less the chunk the previous turn's last decode steps completed, which may still
+        # be in the upload queue when this turn is looked up: the save lag)
+        want = min(t.prev_computed // CHUNK * CHUNK, (len(t.prompt) - 1) // BLOCK * BLOCK)
+        got = cached_tokens(t.resp)
+        assert got >= want - CHUNK, f"conversation {t.conv} turn {t.k}: {got} of {want} restored"
+        label = f"{route}: conversation {t.conv} turn {t.k} (moved)"
+        ref = reference.complete(t.prompt, max_tokens=16)
+        first16 = dict(t.resp)
+        # the turn's answer was 40 tokens; compare its first 16 with the reference's
+        first16["choices"] = [
+            {
+                **t.resp["choices"][0],
+                "token_ids": completion_ids(t.resp)[:16],
+                "logprobs": {
+                    "token_logprobs": (t.resp["choices"][0].get("logprobs") or {}).get(
+                        "token_logprobs", []
+                    )[:16]
+                },
+            }
+        ]
+        assert_same_answer(first16, ref, label)
+
+
+def test_a_restore_failing_on_its_first_chunk_is_recomputed_at_once(
+    servers: dict[str, VLLMServer], reference: VLLMServer, store: dict[str, str]
+) -> None:
+    """Every object of one stored prompt corrupted, every object of another deleted: A
+    (asynchronous restores) answers each right within seconds, each bad object pulled at
+    most once (the code before offered the same load again after each failure: a fresh
+    server answered neither within 120 s)."""
+    b, a = servers["A"], servers["B"]  # B stores, A restores
+    corrupt, deleted = prompt_tokens(1800, seed=9100), prompt_tokens(1800, seed=9200)
+    ns = connector_namespace()
+    keys: dict[str, list[str]] = {}
+    for name, prompt in (("corrupt", corrupt), ("deleted", deleted)):
+        a.complete(prompt, max_tokens=2)
+        assert wait_stored(store, prompt) == 7
+        with KVCloud.open(
+            store=store["KVCLOUD_STORE"],
+            index=store["KVCLOUD_INDEX"],
+            secret=store["KVCLOUD_SECRET"],
+        ) as k:
+            keys[name] = [ref.entry.object_key for ref in k.lookup(ns, prompt).chunks]
+    root = Path(store["KVCLOUD_STORE"].removeprefix("file://"))
+    for key in keys["corrupt"]:
+        path = root / key
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # same size, one byte flipped: the digest check
+        path.write_bytes(bytes(data))
+    for key in keys["deleted"]:
+        (root / key).unlink()
+    before = b.metrics()
+    for name, prompt in (("corrupt", corrupt), ("deleted", deleted)):
+        turn = [*prompt, *prompt_tokens(40, seed=9300)]
+        t0 = time.monotonic()
+        got = b.complete(turn, max_tokens=8)
+        took = time.monotonic() - t0
+        assert took < 60, f"{name}: answered in {took:.0f} s"
+        assert_same_answer(got, reference.complete(turn, max_tokens=8), f"A, first chunk {name}")
+    delta = {k: v - before.get(k, 0.0) for k, v in b.metrics().items()}
+    # one restore each, every object of it pulled once at most (they are pulled in parallel)
+    assert delta.get("loads", 0.0) == 2, delta
+    assert 1 <= delta.get("verify_failures", 0.0) <= 7, delta
+    assert 1 <= delta.get("missing_objects", 0.0) <= 7, delta
+    assert delta.get("loads_failed_recomputed", 0.0) == 2, delta

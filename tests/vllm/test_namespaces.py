@@ -23,10 +23,55 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return embedded_env(tmp_path_factory.mktemp("namespaces"), "vllm-ns-secret")
 
 
+# each setting that must stop vLLM at start: its extra config, its environment, its line
+BAD = {
+    "chunk": (
+        {"chunk_tokens": 100},
+        {},
+        "chunk_tokens 100 is not a multiple of vLLM's block size 128",
+    ),
+    "store": ({"store": "ftp://nowhere/x"}, {}, "unknown store scheme 'ftp://'"),
+    "key": ({"chunk_size": 256}, {}, "unknown kv_connector_extra_config key 'chunk_size'"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_starts(
+    vllm_logs: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[VLLMServer, int]]:
+    """A vLLM started with each bad setting, all at once (each dies after vLLM's imports and
+    its config: ~30 s each one after another), waited for until each has exited."""
+    started = {}
+    for label, (extra, env, _) in BAD.items():
+        folder = tmp_path_factory.mktemp(f"bad-{label}")
+        started[label] = VLLMServer(
+            f"bad-{label}",
+            vllm_logs / f"bad-{label}.log",
+            transfer=kvcloud_transfer_config(**extra),
+            env={
+                "KVCLOUD_STORE": f"file://{folder}/o",
+                "KVCLOUD_INDEX": f"sqlite://{folder}/i.db",
+                **env,
+            },
+        ).start()
+    exits = {}
+    for label, server in started.items():
+        try:
+            exits[label] = (server, server.wait_exit(timeout=240))
+        finally:
+            server.stop()
+    return exits
+
+
 @pytest.fixture(scope="module")
 def servers(
-    store: dict[str, str], vllm_logs: Path, checkpoint_other: Path
+    store: dict[str, str],
+    vllm_logs: Path,
+    checkpoint_other: Path,
+    bad_starts: dict[str, tuple[VLLMServer, int]],
 ) -> Iterator[dict[str, VLLMServer]]:
+    # (after the bad starts: three vLLMs starting at once beside these three would not fit
+    # in this machine's memory with the session's reference)
     cfg = kvcloud_transfer_config()
     base = VLLMServer("N", vllm_logs / "N.log", transfer=cfg, env=store)
     other = VLLMServer("D", vllm_logs / "D.log", model=checkpoint_other, transfer=cfg, env=store)
@@ -53,36 +98,11 @@ def test_other_checkpoint_and_other_kv_dtype_get_no_hit(
     assert cached_tokens(again) >= len(prompt) // CHUNK * CHUNK
 
 
-@pytest.mark.parametrize(
-    ("label", "extra", "env", "message"),
-    [
-        (
-            "chunk",
-            {"chunk_tokens": 100},
-            {},
-            "chunk_tokens 100 is not a multiple of vLLM's block size 128",
-        ),
-        ("store", {"store": "ftp://nowhere/x"}, {}, "unknown store scheme 'ftp://'"),
-        ("key", {"chunk_size": 256}, {}, "unknown kv_connector_extra_config key 'chunk_size'"),
-    ],
-)
+@pytest.mark.parametrize("label", sorted(BAD))
 def test_bad_settings_stop_vllm_at_start(
-    label: str, extra: dict, env: dict, message: str, vllm_logs: Path, tmp_path: Path
+    label: str, bad_starts: dict[str, tuple[VLLMServer, int]]
 ) -> None:
-    server = VLLMServer(
-        f"bad-{label}",
-        vllm_logs / f"bad-{label}.log",
-        transfer=kvcloud_transfer_config(**extra),
-        env={
-            "KVCLOUD_STORE": f"file://{tmp_path}/o",
-            "KVCLOUD_INDEX": f"sqlite://{tmp_path}/i.db",
-            **env,
-        },
-    ).start()
-    try:
-        rc = server.wait_exit(timeout=240)
-    finally:
-        server.stop()
+    (server, rc), message = bad_starts[label], BAD[label][2]
     assert rc != 0
     lines = [ln for ln in server.log_text().splitlines() if "kvcloud connector cannot start" in ln]
     assert lines, server.log_tail()

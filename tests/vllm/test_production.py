@@ -145,14 +145,20 @@ def test_preempted_requests_answer_like_no_connector(
     # computed (prompt and answer) is stored, and W, which never saw the answers, continues
     # each conversation from exactly P's tokens, restoring P's chunks, and answers as the
     # reference does (a save that read another request's blocks would change this answer)
+    conts, stored = [], []
     for i, (turn, resp) in enumerate(zip(turns, got, strict=True)):
         history = [*turn, *completion_ids(resp)]
         n = (len(history) - 1) // CHUNK  # the answer's last token's KV is never computed
         assert wait_stored(store, history[: n * CHUNK], want=n) == n, f"P's turn {i}"
-        cont = [*history, *prompt_tokens(8, seed=400 + i)]
-        more = w.complete(cont, max_tokens=8)
+        conts.append([*history, *prompt_tokens(8, seed=400 + i)])
+        stored.append(n)
+    # (batched: W's and the reference's eight continuations each run at once)
+    with cf.ThreadPoolExecutor(8) as pool:
+        mores = list(pool.map(lambda c: w.complete(c, max_tokens=8), conts))
+        refs = list(pool.map(lambda c: rl.complete(c, max_tokens=8), conts))
+    for i, (cont, n, more, ref) in enumerate(zip(conts, stored, mores, refs, strict=True)):
         assert cached_tokens(more) >= min(n * CHUNK, (len(cont) - 1) // 128 * 128), i
-        assert_same_answer(more, rl.complete(cont, max_tokens=8), f"W continues P's turn {i}")
+        assert_same_answer(more, ref, f"W continues P's turn {i}")
 
 
 def adapter_tenant() -> str:

@@ -81,7 +81,12 @@ def test_chunks_queued_at_sigterm_reach_the_store(
         env=store,
         args=["--shutdown-timeout", str(SHUTDOWN_TIMEOUT)],
     )
-    (a,) = start_all(a)
+    # the replacement, a fresh vLLM on the same store, starts beside A (it stays idle, and
+    # never held the prompt, until A has stopped)
+    b = VLLMServer(
+        "stop-B", vllm_logs / "stop-B.log", transfer=kvcloud_transfer_config(), env=store
+    )
+    a, b = start_all(a, b)
     try:
         with index_write_lock(store):
             first = a.complete(prompt, max_tokens=1)
@@ -93,22 +98,18 @@ def test_chunks_queued_at_sigterm_reach_the_store(
             announced = wait_for_log(a, DRAINING, timeout=HOLD)
         code = a.wait_exit(timeout=2 * SHUTDOWN_TIMEOUT)
         took = time.monotonic() - sent
+    except BaseException:
+        b.stop()
+        raise
     finally:
         a.stop()
     log = a.log_text()
     print(f"stop-A exited {code} {took:.1f} s after SIGTERM")
-    assert code == 0 and took < SHUTDOWN_TIMEOUT + 5, a.log_tail(60)
-    assert wait_stored(store, prompt, timeout=0) == whole // CHUNK, a.log_tail(60)
-
-    # the replacement: a fresh vLLM on the same store restores every full chunk
-    b = VLLMServer(
-        "stop-B", vllm_logs / "stop-B.log", transfer=kvcloud_transfer_config(), env=store
-    )
-    b.start()
+    # the replacement restores every full chunk
     try:
-        # the session's reference starts beside B (at most two of this test's servers at once)
+        assert code == 0 and took < SHUTDOWN_TIMEOUT + 5, a.log_tail(60)
+        assert wait_stored(store, prompt, timeout=0) == whole // CHUNK, a.log_tail(60)
         reference: VLLMServer = request.getfixturevalue("reference")
-        b.wait_ready()
         got = b.complete(prompt, max_tokens=16)
         assert cached_tokens(got) >= whole
         assert b.metrics().get("loaded_tokens", 0) >= whole
