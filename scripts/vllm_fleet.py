@@ -113,6 +113,11 @@ class VLLMServer:
     # --enforce-eager; vLLM 0.32's CPU pipeline parallelism needs its compiled mode (eager,
     # a later stage never allocates the tensors it receives: AssertionError on a request)
     eager: bool = True
+    # the engine in the API server's process, its one worker in the engine's (vLLM's
+    # in-process engine and "uni" executor): ~10 s less to start here, one process instead
+    # of three. For the tests' no-connector references only: a connector's worker side and
+    # its stop run in the deployed shape, and a benchmark's no-connector baseline must too
+    in_process: bool = False
 
     @property
     def url(self) -> str:
@@ -140,6 +145,7 @@ class VLLMServer:
             "--seed",
             "0",
             *self.args,
+            *(["--distributed-executor-backend", "uni"] if self.in_process else []),
         ]
         if self.transfer is not None:
             argv += ["--kv-transfer-config", json.dumps(self.transfer)]
@@ -153,7 +159,9 @@ class VLLMServer:
             self.argv(),
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=vllm_env(self.env),
+            env=vllm_env(
+                {**self.env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if self.in_process else self.env
+            ),
             cwd=ROOT,
             start_new_session=True,
         )

@@ -64,7 +64,7 @@ def vllm_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def reference(vllm_logs: Path) -> Iterator[VLLMServer]:
     """vLLM without any connector: the independent reference for every answer."""
-    (server,) = start_all(VLLMServer("R", vllm_logs / "R.log"))
+    (server,) = start_all(VLLMServer("R", vllm_logs / "R.log", in_process=True))
     yield server
     server.stop()
 

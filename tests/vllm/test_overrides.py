@@ -48,7 +48,7 @@ def servers(
         args=SW_ARGS,
     )
     plain = VLLMServer("PL", vllm_logs / "PL.log", transfer=cfg, env=store)
-    swr = VLLMServer("SWR", vllm_logs / "SWR.log", args=SW_ARGS)
+    swr = VLLMServer("SWR", vllm_logs / "SWR.log", args=SW_ARGS, in_process=True)
     yield from serving(sw, plain, swr)
 
 

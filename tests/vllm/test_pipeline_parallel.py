@@ -47,7 +47,7 @@ def servers(tiny: Path, store: dict[str, str], vllm_logs: Path) -> Iterator[dict
         VLLMServer(
             "P2", vllm_logs / "P2.log", model=tiny, transfer=cfg, env=p2_env, args=pp, eager=False
         ),
-        VLLMServer("R1", vllm_logs / "PR1.log", model=tiny),
+        VLLMServer("R1", vllm_logs / "PR1.log", model=tiny, in_process=True),
         VLLMServer("RP2", vllm_logs / "RP2.log", model=tiny, env=TP2, args=pp, eager=False),
     )
 

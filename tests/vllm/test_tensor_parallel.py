@@ -50,7 +50,7 @@ def servers(tiny: Path, store: dict[str, str], vllm_logs: Path) -> Iterator[dict
     yield from serving(
         VLLMServer("T1", vllm_logs / "T1.log", model=tiny, transfer=cfg, env=store),
         VLLMServer("T2", vllm_logs / "T2.log", model=tiny, transfer=cfg, env=t2_env, args=tp),
-        VLLMServer("R1", vllm_logs / "R1.log", model=tiny),
+        VLLMServer("R1", vllm_logs / "R1.log", model=tiny, in_process=True),
         VLLMServer("R2", vllm_logs / "R2.log", model=tiny, env=TP2, args=tp),
     )
 
