@@ -115,7 +115,7 @@ def test_preempted_requests_answer_like_no_connector(
     for prompt in prompts:
         assert wait_stored(store, prompt) == len(prompt) // CHUNK
     turns = [[*prompt, *prompt_tokens(40, seed=200 + i)] for i, prompt in enumerate(prompts)]
-    gen = {"max_tokens": 120, "ignore_eos": True}
+    gen = {"max_tokens": 180, "ignore_eos": True}
     before_pre, before = preemptions(p), p.metrics()
     with cf.ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda t: p.complete(t, **gen), turns))
