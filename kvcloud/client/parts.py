@@ -97,7 +97,8 @@ class PartsMixin(PushMixin):
         part is stored, whatever the engine does next. A part record sits under a
         fingerprint derived from the chunk's and the range (``part_record_fp``), which no
         prompt's chain ever asks for; it names the part's object (keeping it from gc) and
-        expires with the index's TTL. True if this call registered the chunk."""
+        expires one TTL after it was written (reading it here does not renew it). True if
+        this call registered the chunk."""
         if ns.num_kv_heads % parts:
             raise LayoutError(f"{parts} parts cannot split {ns.num_kv_heads} KV heads evenly")
         bounds = _stage_bounds(ns, stages)
@@ -112,9 +113,14 @@ class PartsMixin(PushMixin):
             ns.id, part_record_fp(fp, mine, layers).hex(), IndexEntry(key, n_tokens, size, now)
         )
         grid = [(stage, [(j * w, (j + 1) * w) for j in range(parts)]) for stage in stage_rows]
+        # Reading the siblings' records must not renew them: a grid some rank never completes
+        # (its part dropped on a full queue, its rank gone) would otherwise live on while
+        # the prefix stays hot, each writer keeping the others' records alive, and its
+        # parts would never reach gc. A record lives one TTL from its write.
         found = self.index.lookup(
             ns.id,
             [part_record_fp(fp, h, stage).hex() for stage, hs in grid for h in hs],
+            renew=False,
         )
         if any(e is None for e in found):
             return False

@@ -166,9 +166,16 @@ class Index(Closing, ABC):
 
     @abstractmethod
     def lookup(
-        self, ns: str, fps: Sequence[str], counters: Mapping[str, int] | None = None
+        self,
+        ns: str,
+        fps: Sequence[str],
+        counters: Mapping[str, int] | None = None,
+        *,
+        renew: bool = True,
     ) -> list[IndexEntry | None]:
-        """Entries for every fp, in order, in ONE round trip; hits get their TTL renewed.
+        """Entries for every fp, in order, in ONE round trip; hits get their TTL renewed
+        unless ``renew`` is False (a read that must not keep what it reads alive: a writer
+        checking its siblings' part records).
 
         ``counters`` are increments applied in the same round trip (so statistics cost no
         extra latency on the request path).

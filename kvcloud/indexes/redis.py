@@ -371,10 +371,15 @@ class RedisIndex(KeyLayout, Index):
         return "valkey_version" in info or str(info.get("server_name", "")).lower() == "valkey"
 
     def lookup(
-        self, ns: str, fps: Sequence[str], counters: Mapping[str, int] | None = None
+        self,
+        ns: str,
+        fps: Sequence[str],
+        counters: Mapping[str, int] | None = None,
+        *,
+        renew: bool = True,
     ) -> list[IndexEntry | None]:
         fps = list(fps)
-        return self._lookup(ns, fps, counters, walk=False)
+        return self._lookup(ns, fps, counters, walk=False, renew=renew)
 
     def lookup_run(
         self, ns: str, fps: Sequence[str], counters: Mapping[str, int] | None = None
@@ -383,7 +388,12 @@ class RedisIndex(KeyLayout, Index):
         return leading_run(self._lookup(ns, list(fps), counters, walk=True))
 
     def _lookup(
-        self, ns: str, fps: list[str], counters: Mapping[str, int] | None, walk: bool
+        self,
+        ns: str,
+        fps: list[str],
+        counters: Mapping[str, int] | None,
+        walk: bool,
+        renew: bool = True,
     ) -> list[IndexEntry | None]:
         if not fps:
             if counters:
@@ -401,7 +411,7 @@ class RedisIndex(KeyLayout, Index):
                 f"redis index {self.url}: {len(raws)} values for {len(fps)} fingerprints"
             )
         found: list[IndexEntry | None] = []
-        renew: list[tuple[str, bytes]] = []
+        renewals: list[tuple[str, bytes]] = []
         fresh = self.renewal_due(time.time())
         for i, raw in enumerate(raws):
             if raw is None:
@@ -416,15 +426,17 @@ class RedisIndex(KeyLayout, Index):
                 found.append(None)
                 continue
             found.append(entry)
+            if not renew:
+                continue
             if expires_at is None:
                 if self._renewal_due((buckets[i], fields[i])):
-                    renew.append((buckets[i], fields[i]))
+                    renewals.append((buckets[i], fields[i]))
             elif expires_at < fresh:
-                renew.append((buckets[i], fields[i]))
+                renewals.append((buckets[i], fields[i]))
         if not walk:
             found.extend([None] * (len(fps) - len(found)))
-        if renew or counters:
-            self._deferred.submit(renew, counters)
+        if renewals or counters:
+            self._deferred.submit(renewals, counters)
         return found
 
     def _renewal_due(self, item: tuple[str, bytes]) -> bool:

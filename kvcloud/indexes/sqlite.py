@@ -260,7 +260,12 @@ class SQLiteIndex(Index):
         return created
 
     def lookup(
-        self, ns: str, fps: Sequence[str], counters: Mapping[str, int] | None = None
+        self,
+        ns: str,
+        fps: Sequence[str],
+        counters: Mapping[str, int] | None = None,
+        *,
+        renew: bool = True,
     ) -> list[IndexEntry | None]:
         fps = list(fps)
         if not fps:
@@ -269,7 +274,7 @@ class SQLiteIndex(Index):
             return []
         unique = list(dict.fromkeys(fps))
         found: dict[str, IndexEntry] = {}
-        renew: list[tuple[str, str]] = []
+        renewals: list[tuple[str, str]] = []
         now = time.time()
         fresh = self.renewal_due(now)
         with self._read() as conn:
@@ -281,10 +286,10 @@ class SQLiteIndex(Index):
                 )
                 for fp, object_key, n_tokens, size, created, expires_at in rows:
                     found[fp] = IndexEntry(object_key, int(n_tokens), int(size), float(created))
-                    if expires_at < fresh:
-                        renew.append((ns, fp))
-        if renew or counters:
-            self._deferred.submit(renew, counters)
+                    if renew and expires_at < fresh:
+                        renewals.append((ns, fp))
+        if renewals or counters:
+            self._deferred.submit(renewals, counters)
         return [found.get(fp) for fp in fps]
 
     def _write_side_effects(self, items: list[Any], counters: dict[str, int]) -> None:

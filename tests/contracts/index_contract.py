@@ -258,6 +258,28 @@ class IndexContract:
         assert idx.drop(ns, fp(2)) is False
         return True
 
+    def test_lookup_without_renewal_leaves_the_ttl(self, make_index: IndexFactory) -> None:
+        """``renew=False`` reads an entry without sliding its expiry (a writer reading its
+        siblings' part records must not keep a grid that never completes alive); a plain
+        lookup of the same entry then renews it. With a 100 s TTL any hit older than 1 s is
+        due for renewal, so the check needs no tight window."""
+        idx = make_index(ttl_seconds=100)
+        assert idx.register(NS, fp(1), entry(1))
+        first = expires_at(idx, NS, fp(1))
+        assert first is not None
+        time.sleep(1.2)
+        assert idx.lookup(NS, [fp(1), fp(2)], renew=False) == [entry(1), None]
+        # a backend renewing in the background would have done so by now (it batches for
+        # tens of milliseconds)
+        time.sleep(0.5)
+        assert expires_at(idx, NS, fp(1)) == pytest.approx(first, abs=0.05)
+        looked_up = time.time()
+        assert idx.lookup(NS, [fp(1)]) == [entry(1)]
+        assert wait_until(
+            lambda: (expires_at(idx, NS, fp(1)) or 0.0) >= looked_up + 100 - 0.5, timeout=5.0
+        ), "the plain lookup did not renew the entry"
+        idx.close()
+
     def test_session_ttl(self, make_index: IndexFactory) -> None:
         idx = make_index(ttl_seconds=DEFAULT_TTL_SECONDS)
         idx.put_session("t", "short", b"x", ttl_seconds=1)

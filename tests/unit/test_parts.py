@@ -8,6 +8,7 @@ backends; verify and gc keep and check every part.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 from kvcloud import KVCloud, Namespace
 from kvcloud.errors import HeaderMismatchError, LayoutError, MalformedHeaderError
 from kvcloud.indexes.base import IndexEntry
-from kvcloud.segment import decode_segment, encode_segment, part_layout
+from kvcloud.segment import decode_segment, encode_segment, part_layout, part_record_fp
 from kvcloud.tools.gc import gc
 from kvcloud.tools.verify import verify
 
@@ -266,6 +267,33 @@ def test_a_broken_part_is_not_registered_again_by_the_next_offer(
     key, size = kvc.store_part(ns, fp, ns.digest, kv[:, :, :, 2:4], (2, 4))
     assert kvc.offer_part(ns, fp, (2, 4), key, size, ns.chunk_tokens, 2) is True
     assert np.array_equal(kvc.pull(kvc.lookup(ns, tokens)), kv)
+
+
+def test_a_partial_grid_ages_out_however_often_it_is_offered(tmp_path: Path) -> None:
+    """A rank whose part never comes (dropped on a full queue) leaves its siblings' records
+    alone in the index. Offering them again (the prefix is computed again and again) must not
+    renew the records the offer reads: one TTL after its write each record is gone, and
+    with it what keeps its part from gc."""
+    kvc = KVCloud.open(
+        store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db", secret="s",
+        ttl_seconds=100,
+    )  # fmt: skip
+    ns = make_ns()
+    rng = np.random.default_rng(12)
+    tokens = rng.integers(0, 50_000, ns.chunk_tokens)
+    kv = rng.standard_normal(ns.kv_shape(ns.chunk_tokens)).astype(np.float16)
+    fp = kvc.fingerprints(ns, tokens)[0]
+    key, size = kvc.store_part(ns, fp, ns.digest, kv[:, :, :, 0:2], (0, 2))
+    assert kvc.offer_part(ns, fp, (0, 2), key, size, ns.chunk_tokens, 2) is False
+    record = part_record_fp(fp, (0, 2), None).hex()
+    (written,) = [r.expires_at for r in kvc.index.iter_entries(ns.id) if r.fp == record]
+    time.sleep(1.2)  # with a 100 s TTL, a hit older than 1 s is due for renewal
+    for _ in range(3):  # rank 0 offers again; rank 1's part never comes
+        assert kvc.offer_part(ns, fp, (0, 2), key, size, ns.chunk_tokens, 2) is False
+    time.sleep(0.5)  # past any background renewal's batching
+    (now,) = [r.expires_at for r in kvc.index.iter_entries(ns.id) if r.fp == record]
+    assert now == pytest.approx(written, abs=0.05)
+    kvc.close()
 
 
 # -- pipeline stages: parts by layer range ------------------------------------------------------
