@@ -323,7 +323,7 @@ def test_staging_is_one_bounded_ring_reused_by_every_restore(tmp_path: Path) -> 
     once: a restore larger than the ring pulls its chunks in groups through the same slots,
     bit for bit, and restores in the step (one thread per chunk) share it too (defect 7:
     before, every step allocated staging for all of its restores, on the forward thread)."""
-    ws, kvc, kv, spec = setup(tmp_path, staging_mib=1)  # 1 MiB: room for every chunk here
+    ws, _kvc, kv, spec = setup(tmp_path, staging_mib=1)  # 1 MiB: room for every chunk here
     assert step(ws, spec) == set()
     ring = ws._ring
     assert ring is not None and ring.slots >= N_CHUNKS
