@@ -100,9 +100,10 @@ def restores_its_heads(
     kv: np.ndarray,
     blocks: list[list[int]],
     shard: Shard | None = None,
-) -> None:
+) -> int:
     """Rank ``r`` of a TP-2 vLLM (or the rank ``shard``) restores the match ``m`` into
-    ``blocks``: its caches then hold exactly its heads (and layers) of ``kv``."""
+    ``blocks``: its caches then hold exactly its heads (and layers) of ``kv``. Returns the
+    bytes it downloaded."""
     ws, _ = rank(where, shard or shard_of(r, 2, H), write_policy="off")
     ws.client = client
     chunks = [
@@ -117,10 +118,14 @@ def restores_its_heads(
     for name, layer in ws.layer_index.items():
         got = ws.layouts[name].gather(ws.caches[name], [b for ids in blocks for b in ids])
         assert same_bits(got.numpy(), np.ascontiguousarray(kv[first + layer, :, :, lo:hi]))
+    loaded = int(ws.take_stats().get("loaded_bytes", 0))
     ws.shutdown()
+    return loaded
 
 
-def save_from(ranks: list, reader: KVCloud, ns: Any, tokens: Any, kv: np.ndarray) -> int:
+def save_from(
+    ranks: list, reader: KVCloud, ns: Any, tokens: Any, kv: np.ndarray, parts_each: int = 1
+) -> int:
     """Each rank in turn saves the two chunks of ``tokens`` (its heads and layers of ``kv``,
     as vLLM's forward pass left them in its blocks) and its uploader drains; the chunks are a
     miss until the last rank's parts are in. Returns the chunks the ranks registered."""
@@ -139,7 +144,7 @@ def save_from(ranks: list, reader: KVCloud, ns: Any, tokens: Any, kv: np.ndarray
         assert ws.uploader is not None
         ws.uploader.close()  # waits for the queue to drain
         stats = ws.take_stats()
-        assert stats["parts_pushed"] == 2
+        assert stats["parts_pushed"] == 2 * parts_each
         registered += stats.get("chunks_registered", 0)
         # some ranks' parts alone register nothing: a miss until every part is in
         assert reader.lookup(ns, tokens).tokens == (0 if n < len(ranks) - 1 else len(tokens))
@@ -190,6 +195,56 @@ def test_a_tp1_chunk_restores_into_each_tp2_rank(tmp_path: Path) -> None:
                 where = tmp_path / f"pp{stage}-{tp}-{r}"
                 restores_its_heads(where, r, kvc, m, kv, [[1, 2], [3, 4]], shard)
     kvc.close()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_head_parts_store_finer_so_a_larger_tp_reads_only_its_heads(
+    tmp_path: Path, tp: int
+) -> None:
+    """``head_parts`` 4 on a TP-1 or TP-2 vLLM: each chunk is stored as 4 head ranges (a
+    TP-2 rank writes two), and a rank of a TP-4 vLLM downloads only its quarter, where a
+    chunk stored whole costs it the whole object (defect 9). A TP-1 reader still gets every
+    head, bit for bit."""
+    ns = make_ns("float32", num_kv_heads=H, num_layers=L)
+    tokens = make_tokens(2 * ns.chunk_tokens)
+    kv = make_kv(ns, len(tokens))
+    ranks = [rank(tmp_path, shard_of(r, tp, H).with_head_parts(4, H)) for r in range(tp)]
+    reader = KVCloud.open(
+        store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db", secret="s"
+    )
+    assert save_from(ranks, reader, ns, tokens, kv, parts_each=4 // tp) == 2
+    m = reader.lookup(ns, tokens)
+    assert [len(ref.entry.keys) for ref in m.chunks] == [4, 4]
+    assert same_bits(reader.pull(m), kv)
+    for r in range(4):
+        got = restores_its_heads(
+            tmp_path / f"tp4-{r}", r, reader, m, kv, [[1, 2], [3, 4]], shard_of(r, 4, H)
+        )
+        # exactly the objects of its own head range, one a chunk
+        mine = [reader.store.head(ref.entry.keys[r]) for ref in m.chunks]
+        assert got == sum(info.size for info in mine if info is not None)
+    for ws, _ in ranks:
+        ws.shutdown()
+    # the same chunks stored whole (the default at TP 1): each TP-4 rank pays for every head
+    other = tmp_path / "whole"
+    kvc = KVCloud.open(store=f"file://{other}/o", index=f"sqlite://{other}/i.db", secret="s")
+    kvc.push(ns, tokens, kv)
+    m = kvc.lookup(ns, tokens)
+    got = restores_its_heads(other / "r0", 0, kvc, m, kv, [[1, 2], [3, 4]], shard_of(0, 4, H))
+    assert got == sum(ref.entry.size for ref in m.chunks)
+    kvc.close()
+    reader.close()
+
+
+def test_head_parts_must_split_the_heads_within_the_ranks() -> None:
+    assert shard_of(1, 2, H).with_head_parts(4, H).write_ranges() == [(2, 3), (3, 4)]
+    assert shard_of(0, 1, H).with_head_parts(2, H).write_ranges() == [(0, 2), (2, 4)]
+    assert shard_of(0, 1, H).with_head_parts(1, H).write_ranges() == [None]
+    # fewer than the TP split: the TP split
+    assert shard_of(1, 4, H).with_head_parts(2, H).write_ranges() == [(1, 2)]
+    for bad in (3, 8):
+        with pytest.raises(ValueError, match="head_parts"):
+            shard_of(0, 1, H).with_head_parts(bad, H)
 
 
 STAGES = (0, 2, L)

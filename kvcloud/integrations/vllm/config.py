@@ -120,6 +120,15 @@ class VLLMConnectorConfig:
     upload_queue: int = field(default=64, metadata={"env": "KVCLOUD_UPLOAD_QUEUE"})
     """Chunks waiting for upload at most; when full, new ones are dropped and counted."""
 
+    head_parts: int = field(default=1, metadata={"env": "KVCLOUD_HEAD_PARTS"})
+    """Store each chunk as this many objects, one per equal range of KV heads (at least the
+    tensor-parallel size: a TP-4 vLLM always stores 4). A rank of a larger TP size reading a
+    chunk stored in fewer parts downloads the parts overlapping its heads and keeps its own:
+    a TP-8 rank reading a chunk a TP-1 vLLM stored whole downloads 8× what it uses. A fleet
+    that mixes TP sizes sets this to its largest, on every server: each rank then reads
+    exactly its heads, for more (smaller) PUTs per chunk and more GETs for smaller TP sizes.
+    Must divide the model's KV heads (checked at start)."""
+
     upload_nice: int = field(default=19, metadata={"env": "KVCLOUD_UPLOAD_NICE"})
     """Nice value (0–19, Linux) of the uploader's threads. A save's hashing, encryption and
     writing then take the idle time of the cores vLLM runs on instead of a slice of its
@@ -185,6 +194,7 @@ class VLLMConnectorConfig:
         for name in (
             "chunk_tokens",
             "upload_queue",
+            "head_parts",
             "max_connections",
             "breaker_failures",
             "load_threads",

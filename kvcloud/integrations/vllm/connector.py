@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ...client import KVCloud
-from ...errors import KVCloudError
+from ...errors import ConfigError, KVCloudError
 from ...namespace import Namespace
 from .config import VLLMConnectorConfig
 from .keys import check_supported, sliding_window, vllm_namespace
@@ -66,12 +66,25 @@ def _pp_stage(parallel_config: Any, num_layers: int) -> tuple[int, tuple[int, ..
     return int(get_pp_group().rank_in_group), (*bounds, num_layers)
 
 
-def _shard(vllm_config: Any, ns: Namespace) -> Shard:
-    """The KV heads and layers this worker holds."""
+def _shard(vllm_config: Any, ns: Namespace, head_parts: int = 1) -> Shard:
+    """The KV heads and layers this worker holds, and the head ranges it stores them in."""
     pc = vllm_config.parallel_config
     tp = int(pc.tensor_parallel_size)
     stage, stages = _pp_stage(pc, ns.num_layers)
-    return shard_of(_tp_rank(tp), tp, ns.num_kv_heads).with_stage(stage, stages)
+    shard = shard_of(_tp_rank(tp), tp, ns.num_kv_heads).with_stage(stage, stages)
+    try:
+        return shard.with_head_parts(head_parts, ns.num_kv_heads)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _shard_of_rank0(vllm_config: Any, ns: Namespace, head_parts: int) -> Shard:
+    """What ``_shard`` checks, without the distributed state the scheduler does not have."""
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    try:
+        return shard_of(0, tp, ns.num_kv_heads).with_head_parts(head_parts, ns.num_kv_heads)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _route_kvcloud_logs() -> None:
@@ -113,6 +126,12 @@ class KVCloudConnector(KVConnectorBase_V1):
                 )
             check_supported(vllm_config, kv_cache_config)
             ns = vllm_namespace(vllm_config, cfg)
+            # rank 0's shard on the scheduler (it holds no KV): the same check at start
+            shard = (
+                _shard(vllm_config, ns, cfg.head_parts)
+                if role != KVConnectorRole.SCHEDULER
+                else _shard_of_rank0(vllm_config, ns, cfg.head_parts)
+            )
             client = KVCloud.open(config=cfg.client_config())
             # uploads get a client of their own (connections, threads): never in a load's way
             upload_client = (
@@ -150,7 +169,7 @@ class KVCloudConnector(KVConnectorBase_V1):
                 vllm_config,
                 kv_cache_config,
                 upload_client=upload_client,
-                shard=_shard(vllm_config, ns),
+                shard=shard,
             )
         log.info(
             "kvcloud connector (%s): store %s, index %s, namespace %s (%s, %d layers, "

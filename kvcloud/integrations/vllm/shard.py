@@ -29,6 +29,9 @@ class Shard:
     # the pipeline stage's layers [lo, hi) and every stage's boundaries; None without PP
     layers: tuple[int, int] | None = None
     stages: tuple[int, ...] | None = None
+    # head ranges a chunk is stored in: ``parts`` unless the fleet asks for finer ones
+    # (``head_parts``), so that ranks of a larger TP size read only their heads
+    stored_parts: int = 0
 
     @property
     def heads(self) -> tuple[int, int] | None:
@@ -40,9 +43,36 @@ class Shard:
         return self.hi - self.lo
 
     @property
+    def chunk_parts(self) -> int:
+        """Head ranges a chunk is stored in (its parts per pipeline stage)."""
+        return max(self.parts, self.stored_parts)
+
+    @property
     def split(self) -> bool:
         """Does this rank save a part (of heads, of layers or both) rather than whole chunks?"""
-        return self.parts > 1 or self.layers is not None
+        return self.chunk_parts > 1 or self.layers is not None
+
+    def write_ranges(self) -> list[tuple[int, int] | None]:
+        """The head ranges of the parts this rank writes, in head order: its own heads as one
+        part, or split in ``chunk_parts // parts`` when the chunk is stored finer; [None]
+        for a chunk's every head in one part."""
+        if self.chunk_parts == 1:
+            return [None]
+        w = self.num_heads * self.parts // self.chunk_parts
+        return [(a, a + w) for a in range(self.lo, self.hi, w)]
+
+    def with_head_parts(self, head_parts: int, total_kv_heads: int) -> Shard:
+        """This shard storing chunks in ``head_parts`` head ranges (never fewer than the TP
+        group's ``parts``); ValueError if they do not split the heads into equal ranges,
+        each inside one rank's."""
+        n = max(self.parts, int(head_parts))
+        if total_kv_heads % n or n % self.parts:
+            raise ValueError(
+                f"head_parts {head_parts} does not split the model's {total_kv_heads} KV heads "
+                f"into equal ranges, each inside one of the {self.parts} tensor-parallel "
+                f"ranges (use a divisor of {total_kv_heads} that is a multiple of {self.parts})"
+            )
+        return replace(self, stored_parts=n)
 
     def num_layers(self, total: int) -> int:
         return total if self.layers is None else self.layers[1] - self.layers[0]

@@ -59,6 +59,7 @@ class Uploader:
         *,
         part: tuple[int, int] | None = None,
         parts: int = 1,
+        ranges: list[tuple[int, int] | None] | None = None,
         layers: tuple[int, int] | None = None,
         stages: tuple[int, ...] | None = None,
         observe_lag: Callable[[float], None] | None = None,
@@ -77,6 +78,10 @@ class Uploader:
         # the writer of the last part to be stored registers the chunk (KVCloud.offer_part)
         self.part = part
         self.parts = parts
+        # the head ranges of the parts this rank writes (absolute), each sliced from the
+        # rank's own heads starting at ``part``'s first: more than one where the chunk is
+        # stored finer than the TP split (``head_parts``)
+        self.ranges = ranges if ranges is not None else [part]
         # a pipeline stage stores its layers likewise, one row of the chunk's grid of parts
         self.layers = layers
         self.stages = stages
@@ -153,7 +158,7 @@ class Uploader:
                     done()
 
     def _push_batch(self, batch: list[_Item]) -> None:
-        if self.part is not None or self.layers is not None:
+        if self.ranges != [None] or self.layers is not None:
             self._store_parts(batch)
             return
         by_tenant: dict[str, list[tuple[bytes, bytes, np.ndarray]]] = {}
@@ -182,19 +187,23 @@ class Uploader:
             )
 
     def _store_parts(self, batch: list[_Item]) -> None:
+        first = self.part[0] if self.part is not None else 0
         for tenant, fp, parent, kv, _, ready in batch:
             if ready is not None:
                 ready()
             try:
-                key, size = self.client.store_part(
-                    self.ns, fp, parent, kv, self.part, layers=self.layers, tenant=tenant
-                )
-                self.count(parts_pushed=1)
-                n = int(kv.shape[2])
-                registered = self.client.offer_part(
-                    self.ns, fp, self.part, key, size, n, self.parts,
-                    layers=self.layers, stages=self.stages,
-                )  # fmt: skip
+                registered = False
+                for heads in self.ranges:
+                    sub = kv if heads is None else kv[:, :, :, heads[0] - first : heads[1] - first]
+                    key, size = self.client.store_part(
+                        self.ns, fp, parent, sub, heads, layers=self.layers, tenant=tenant
+                    )
+                    self.count(parts_pushed=1)
+                    n = int(kv.shape[2])
+                    registered |= self.client.offer_part(
+                        self.ns, fp, heads, key, size, n, self.parts,
+                        layers=self.layers, stages=self.stages,
+                    )  # fmt: skip
                 if registered:
                     self.count(chunks_registered=1)
                 # the rank whose part lands last makes the chunk visible: it times the lag
