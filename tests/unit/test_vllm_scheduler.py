@@ -551,6 +551,7 @@ def test_adapter_digests_and_remembered_bad_objects_stay_bounded(
     assert keys.adapter_digest(str(tmp_path / "a0")) == digests[0]  # computed again
     assert len(set(digests)) == 5
 
+    from kvcloud.integrations.vllm.expiring import Expiring
     from kvcloud.integrations.vllm.loads import Restores
 
     r = Restores.__new__(Restores)
@@ -558,7 +559,7 @@ def test_adapter_digests_and_remembered_bad_objects_stay_bounded(
     r._clock = lambda: now[0]
     r.cfg = VLLMConnectorConfig(failure_memory=60.0)
     r._meta_lock = threading.Lock()
-    r._bad_objects, r._new_bad = {}, {}
+    r._bad_objects, r._new_bad = Expiring(), {}
     for i in range(5000):
         now[0] = float(i)  # each remembered for 60 s: most have expired by the last
         r._remember_bad(f"key{i}")

@@ -37,6 +37,7 @@ torch = pytest.importorskip("torch")
 
 from kvcloud import KVCloud  # noqa: E402
 from kvcloud.integrations.vllm.config import VLLMConnectorConfig  # noqa: E402
+from kvcloud.integrations.vllm.expiring import Expiring  # noqa: E402
 from kvcloud.integrations.vllm.layout import learn_layout  # noqa: E402
 from kvcloud.integrations.vllm.specs import KVCloudWorkerMeta, LoadChunk, LoadSpec  # noqa: E402
 from kvcloud.integrations.vllm.worker import WorkerSide  # noqa: E402
@@ -284,14 +285,14 @@ def test_a_failing_store_opens_the_breaker_and_loads_are_refused_at_once(
     every = {b for ch in spec.chunks for b in ch.block_ids if b >= 0}
     for i in range(2):
         spec.req_id = f"r{i}"
-        ws._bad_objects.clear()  # a fresh failure each time, not the remembered one
+        ws._bad_objects = Expiring()  # a fresh failure each time, not the remembered one
         assert step(ws, spec) == every
     assert ws.store_breaker.is_open
     meta = ws.build_worker_meta()
     assert meta is not None and meta.store_retry_in > 0 and not meta.store_ok
     n = len(calls)
     spec.req_id = "r-refused"
-    ws._bad_objects.clear()
+    ws._bad_objects = Expiring()
     assert step(ws, spec) == every
     assert len(calls) == n, "the open breaker let a load reach the store"
     stats = ws.take_stats()
@@ -300,7 +301,7 @@ def test_a_failing_store_opens_the_breaker_and_loads_are_refused_at_once(
     kvc.store.open_read = real_open  # type: ignore[method-assign]
     clock.t += 6
     spec.req_id = "r-probe"
-    ws._bad_objects.clear()
+    ws._bad_objects = Expiring()
     assert step(ws, spec) == set()
     assert not ws.store_breaker.is_open
     assert_blocks_hold(ws, kv, spec, range(N_CHUNKS))

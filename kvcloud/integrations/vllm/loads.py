@@ -53,6 +53,7 @@ from ...client import ChunkRef, Match, PullResult
 from ...indexes.base import IndexEntry
 from .._torch import to_numpy
 from .device import PASSED, Fence
+from .expiring import Expiring
 from .layout import Blocks, block_index
 from .specs import NULL_BLOCK, LoadSpec
 from .staging import StagingRing
@@ -196,7 +197,7 @@ class Restores:
         self._ring_lock = threading.Lock()
         self._failed_blocks: set[int] = set()
         self.store_breaker = cfg.breaker("store", clock, self._breaker_changed)
-        self._bad_objects: dict[str, float] = {}  # object key -> until (clock)
+        self._bad_objects = Expiring()  # object keys, until (clock)
         self._new_bad: dict[str, float] = {}  # not yet reported to the scheduler
         self._meta_lock = threading.Lock()
         # restores ended since the last report: bytes and seconds, in the step and beside it
@@ -320,21 +321,13 @@ class Restores:
 
     def _is_bad(self, key: str) -> bool:
         with self._meta_lock:
-            until = self._bad_objects.get(key)
-            if until is None:
-                return False
-            if until <= self._clock():
-                del self._bad_objects[key]
-                return False
-            return True
+            return self._bad_objects.holds(key, self._clock())
 
     def _remember_bad(self, key: str) -> None:
         now = self._clock()
         until = now + self.cfg.failure_memory
         with self._meta_lock:
-            self._bad_objects[key] = until
-            if len(self._bad_objects) > 4096:  # bounded: forget the ones that expired
-                self._bad_objects = {k: t for k, t in self._bad_objects.items() if t > now}
+            self._bad_objects.add(key, until, now)
             self._new_bad[key] = self.cfg.failure_memory
 
     def _staging(self) -> StagingRing:

@@ -57,6 +57,7 @@ from typing import Any
 from ...client import KVCloud
 from ...namespace import Namespace
 from .config import VLLMConnectorConfig
+from .expiring import Expiring
 from .lookups import Lookups, Pending, Plan
 from .specs import NULL_BLOCK, KVCloudWorkerMeta, LoadChunk, LoadSpec, SaveChunk, SaveSpec, StepSpec
 
@@ -112,7 +113,7 @@ class SchedulerSide(Lookups):
         self.index_breaker = cfg.breaker("index", clock, self._breaker_changed)
         self._lookups = cf.ThreadPoolExecutor(4, thread_name_prefix="kvcloud-lookup")
         # what the workers report: objects not to offer, and until when the store is out
-        self._bad_objects: dict[str, float] = {}
+        self._bad_objects = Expiring()
         self._store_out_until = 0.0
         self._index_gauge = 0  # last value of the index_breaker_open gauge reported
         self._scheduler_ns = 0  # time spent in this class's calls on vLLM's thread
@@ -144,11 +145,8 @@ class SchedulerSide(Lookups):
             return 0
         n = 0
         for ref in plan.match.chunks:
-            until = self._bad_objects.get(ref.entry.object_key)
-            if until is not None:
-                if until > now:
-                    break
-                del self._bad_objects[ref.entry.object_key]
+            if self._bad_objects.holds(ref.entry.object_key, now):
+                break
             n += 1
         return n
 
@@ -495,7 +493,7 @@ class SchedulerSide(Lookups):
             return
         now = self._clock()
         for key, seconds in meta.bad_objects.items():
-            self._bad_objects[key] = now + seconds
+            self._bad_objects.add(key, now + seconds, now)
         if meta.store_retry_in > 0:
             self._store_out_until = max(self._store_out_until, now + meta.store_retry_in)
         elif meta.store_ok:
@@ -505,8 +503,6 @@ class SchedulerSide(Lookups):
         # for a budget that one restore must fit)
         self._rate_in_step = _moved(self._rate_in_step, meta.in_step_bytes, meta.in_step_s)
         self._rate_beside = _moved(self._rate_beside, meta.beside_bytes, meta.beside_s)
-        if len(self._bad_objects) > 4096:  # bounded: forget the ones that expired
-            self._bad_objects = {k: t for k, t in self._bad_objects.items() if t > now}
 
     def request_finished(self, request: Any) -> None:
         rid = request.request_id
