@@ -47,6 +47,8 @@ def test_extra_config_wins_over_environment() -> None:
         ({}, {"KVCLOUD_UPLOAD_NICE": "-5"}, "upload_nice must be an integer 0-19"),
         ({"load_mode": "eager"}, {}, "load_mode 'eager': use one of async, sync, auto"),
         ({"sync_budget_ms": 0}, {}, "sync_budget_ms must be > 0"),
+        ({"head_parts": 0}, {}, "head_parts must be a positive integer"),
+        ({}, {"KVCLOUD_HEAD_PARTS": "two"}, "KVCLOUD_HEAD_PARTS"),
         ({}, {"KVCLOUD_SYNC_BUDGET_MS": "-1"}, "sync_budget_ms must be > 0"),
     ],
 )
