@@ -334,6 +334,8 @@ def summarize(turns: list[Turn], wall: float) -> dict[str, Any]:
         "ttft_later_p99_ms": 1e3 * pct(later, 99),
         "itl_p50_ms": 1e3 * pct(gaps, 50),
         "itl_p99_ms": 1e3 * pct(gaps, 99),
+        "itl_max_ms": 1e3 * max(gaps, default=0.0),
+        "gaps_over_1s": sum(g > 1.0 for g in gaps),
         "prompt_tokens": prompt,
         "cached_tokens": sum(t.cached_tokens for t in ok),
         "max_prompt_tokens": max((t.prompt_tokens for t in ok), default=0),

@@ -59,7 +59,7 @@ from scripts.bench_vllm_load import (
     resolve,
     summarize,
 )
-from scripts.vllm_fleet import ROOT, VLLMServer
+from scripts.vllm_fleet import ROOT, VLLMServer, settled
 
 REFS = ("sticky", "round-robin")
 KV = "kvcloud-file"
@@ -141,6 +141,11 @@ class Paired:
             replay([s.url for s in servers], convs, routing, a.concurrency, a.max_tokens)
         )
         idle_pct = 100 * (servers_cpu_s(idle) - idle0) / (time.perf_counter() - c0)
+        if all(s.transfer for s in servers):
+            # the last steps' uploads reach /metrics only with a later engine step: poke
+            # the servers until every chunk queued is pushed (or dropped, or failed), so
+            # the phase's counters hold all of its own saves and none leak into the next
+            settled(servers, timeout=60.0)
         for t in turns:  # the block's conversation numbers, as the whole sample's
             t.conv += first
         res = summarize(turns, wall)
@@ -352,15 +357,17 @@ def report(res: dict[str, Any]) -> str:
     if pooled:
         lines += [
             "| setup | turns | output tok/s | TTFT p50 ms | TTFT p99 ms | later turns p50 ms | "
-            "ITL p50 ms | ITL p99 ms | cached / prompt tokens | turns moved | answers ≠ sticky |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "ITL p50 ms | ITL p99 ms | ITL max ms | gaps > 1 s | cached / prompt tokens | "
+            "turns moved | answers ≠ sticky |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, r in pooled.items():
             lines.append(
                 f"| {name} | {r['requests']} | {r['output_tokens_per_s']:.1f} | "
                 f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
                 f"{r['ttft_later_p50_ms']:.0f} | {r['itl_p50_ms']:.0f} | "
-                f"{r['itl_p99_ms']:.0f} | {r['cached_tokens']}/{r['prompt_tokens']} | "
+                f"{r['itl_p99_ms']:.0f} | {r.get('itl_max_ms', float('nan')):.0f} | "
+                f"{r.get('gaps_over_1s', '?')} | {r['cached_tokens']}/{r['prompt_tokens']} | "
                 f"{r.get('moved_fraction', float('nan')):.0%} | "
                 f"{r['answers_differing']} of {r['answers_compared']} |"
             )

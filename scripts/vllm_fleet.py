@@ -336,3 +336,32 @@ def wait_stored(
             if found >= goal or time.monotonic() > deadline:
                 return found
             time.sleep(0.1)
+
+
+def totals(servers: list[VLLMServer]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for s in servers:
+        for k, v in s.metrics().items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+UPLOAD_ENDS = ("chunks_pushed", "chunks_already_stored", "upload_dropped", "push_failures")
+
+
+def settled(servers: list[VLLMServer], timeout: float = 30.0) -> dict[str, float]:
+    """The servers' summed counters once every chunk queued for upload has been dealt with
+    (pushed, found stored, dropped or failed): what earlier requests queued is not counted
+    as the next replay's. A worker's counters reach vLLM's /metrics with an engine step
+    only: each look first sends every server a 3-token request (no chunk to look up or
+    save) so that an idle engine steps and reports its uploader's pushes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for server in servers:
+            server.complete([1, 2, 3], max_tokens=1)
+        now = totals(servers)
+        if now.get("chunks_queued", 0.0) <= sum(now.get(k, 0.0) for k in UPLOAD_ENDS):
+            return now
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"uploads still queued after {timeout:.0f} s: {now}")
+        time.sleep(0.2)

@@ -5,7 +5,6 @@ answer's token ids and the next user message, so "the history" is exact."""
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,32 +60,3 @@ def replay(servers: list[VLLMServer], convs: int, turns: int, seed: int) -> list
     for th in threads:
         th.join()
     return sorted(done, key=lambda t: (t.conv, t.k))
-
-
-def totals(servers: list[VLLMServer]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for s in servers:
-        for k, v in s.metrics().items():
-            out[k] = out.get(k, 0.0) + v
-    return out
-
-
-UPLOAD_ENDS = ("chunks_pushed", "chunks_already_stored", "upload_dropped", "push_failures")
-
-
-def settled(servers: list[VLLMServer], timeout: float = 30.0) -> dict[str, float]:
-    """The servers' summed counters once every chunk queued for upload has been dealt with
-    (pushed, found stored, dropped or failed): what earlier requests queued is not counted
-    as the next replay's. A worker's counters reach vLLM's /metrics with an engine step
-    only: each look first sends every server a 3-token request (no chunk to look up or
-    save) so that an idle engine steps and reports its uploader's pushes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        for server in servers:
-            server.complete([1, 2, 3], max_tokens=1)
-        now = totals(servers)
-        if now.get("chunks_queued", 0.0) <= sum(now.get(k, 0.0) for k in UPLOAD_ENDS):
-            return now
-        if time.monotonic() > deadline:
-            raise AssertionError(f"uploads still queued after {timeout:.0f} s: {now}")
-        time.sleep(0.2)

@@ -25,9 +25,10 @@ from scripts.vllm_fleet import (
     completion_ids,
     connector_namespace,
     kvcloud_transfer_config,
+    settled,
 )
 from tests.vllm.conftest import embedded_env, prompt_tokens, serving
-from tests.vllm.conversations import replay, settled
+from tests.vllm.conversations import replay
 from tests.vllm.helpers import assert_same_answer, wait_stored
 
 # vLLM servers take ~40 s each to start, more when several start together on 2 cores
