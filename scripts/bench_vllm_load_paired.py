@@ -141,18 +141,75 @@ class Paired:
             replay([s.url for s in servers], convs, routing, a.concurrency, a.max_tokens)
         )
         idle_pct = 100 * (servers_cpu_s(idle) - idle0) / (time.perf_counter() - c0)
+        stored = None
         if all(s.transfer for s in servers):
             # the last steps' uploads reach /metrics only with a later engine step: poke
             # the servers until every chunk queued is pushed (or dropped, or failed), so
             # the phase's counters hold all of its own saves and none leak into the next
             settled(servers, timeout=60.0)
+            try:
+                stored = self.prompts_stored(servers, convs, turns)
+            except Exception as exc:  # a check of the run, not the run: say so and go on
+                log(f"  could not check the stored chunks: {type(exc).__name__}: {exc}")
         for t in turns:  # the block's conversation numbers, as the whole sample's
             t.conv += first
         res = summarize(turns, wall)
         res["idle_pair_cpu_pct"] = idle_pct
         res["kvcloud"] = _diff_metrics(_sum_metrics([s.metrics() for s in servers]), kv0)
         res["vllm_timings"] = _diff_metrics(_sum_metrics([s.timings() for s in servers]), t0)
+        if stored is not None:
+            res["last_prompt_chunks"], res["last_prompt_chunks_stored"] = stored
         return turns, res
+
+    def prompts_stored(
+        self, servers: list[VLLMServer], convs: list[list[str]], turns: list[Turn]
+    ) -> tuple[int, int] | None:
+        """Exactly, in the store the servers share: of the full chunks of each
+        conversation's last prompt (its whole history but the last answer, tokenized by
+        vLLM's own chat template), how many have an index entry. Every one was computed by
+        some turn of the replay, so each must have been saved; (chunks, with an entry), or
+        None where the setup's index is not a local file."""
+        env = servers[0].env
+        index, store = env.get("KVCLOUD_INDEX", ""), env.get("KVCLOUD_STORE", "")
+        if not index.startswith("sqlite://"):
+            return None
+        from kvcloud import KVCloud
+        from scripts.vllm_fleet import connector_namespace
+
+        chunk = self.args.chunk_tokens
+        ns = connector_namespace(chunk=chunk)
+        last: dict[int, Turn] = {}
+        for t in turns:
+            if not t.error and t.turn >= last.get(t.conv, t).turn:
+                last[t.conv] = t
+        total = found = 0
+        kvc = KVCloud.open(store=store, index=index, secret=env["KVCLOUD_SECRET"])
+        try:
+            for conv, t in last.items():
+                by_turn = {x.turn: x for x in turns if x.conv == conv}
+                messages: list[dict[str, str]] = []
+                for k in range(t.turn + 1):
+                    messages.append({"role": "user", "content": convs[conv][k]})
+                    if k < t.turn:
+                        messages.append({"role": "assistant", "content": by_turn[k].text})
+                r = httpx.post(
+                    servers[0].url + "/tokenize",
+                    json={"model": "smollm2", "messages": messages, "add_generation_prompt": True},
+                    timeout=60,
+                )
+                r.raise_for_status()
+                tokens = r.json()["tokens"]
+                if len(tokens) != t.prompt_tokens:
+                    log(f"  conversation {conv}: /tokenize gave {len(tokens)} tokens, the turn "
+                        f"{t.prompt_tokens}: not checked")  # fmt: skip
+                    continue
+                fps = kvc.fingerprints(ns, tokens[: len(tokens) // chunk * chunk])
+                hits = kvc.index.lookup(ns.id, [fp.hex() for fp in fps], renew=False)
+                total += len(fps)
+                found += sum(e is not None for e in hits)
+        finally:
+            kvc.close()
+        return total, found
 
     def run(self) -> None:
         a = self.args
@@ -297,8 +354,11 @@ def _kvcloud_costs(blocks: list[dict[str, Any]], name: str, chunk: int) -> dict[
     and answer but its last token), against the chunks the connector queued for upload."""
     c: dict[str, float] = {}
     full = 0
+    checked = in_index = 0
     for b in blocks:
         phase = b["phases"].get(name, {})
+        checked += phase.get("last_prompt_chunks", 0)
+        in_index += phase.get("last_prompt_chunks_stored", 0)
         for k, v in phase.get("kvcloud", {}).items():
             c[k] = c.get(k, 0) + v
         last: dict[int, dict[str, Any]] = {}
@@ -328,6 +388,7 @@ def _kvcloud_costs(blocks: list[dict[str, Any]], name: str, chunk: int) -> dict[
         "backfilled": f"{c.get('chunks_backfilled', 0):.0f}",
         "lookups not waited": f"{c.get('lookups_not_waited', 0):.0f}",
         "dropped": f"{c.get('upload_dropped', 0):.0f}",
+        "full chunks of the last prompts with an index entry": f"{in_index} of {checked}",
     }
 
 
