@@ -31,14 +31,13 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import redis
 from redis import exceptions as rexc
-from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from ..errors import ConfigError, IndexBackendError, IndexUnavailableError
@@ -61,6 +60,7 @@ from .redis_layout import (
     pack_value,
     unpack_value,
 )
+from .redis_retry import default_retry
 from .redis_scripts import Scripts
 
 log = logging.getLogger("kvcloud.index")
@@ -71,37 +71,6 @@ _SCAN_COUNT = 1000
 # Hits whose field TTL this process renewed lately, so it renews each at most once per
 # renewal interval (a field-TTL value does not say when it expires); ~150 bytes an item.
 _RENEWED_MEMO = 1 << 16
-
-
-class _Retry(Retry):
-    """redis-py's Retry, minus retries of authentication failures.
-
-    Those are ConnectionError subclasses, but a wrong password stays wrong, so retrying
-    only delays the error.
-    """
-
-    def call_with_retry(  # type: ignore[override]
-        self,
-        do: Callable[[], T],
-        fail: Callable[..., Any],
-        is_retryable: Callable[[Exception], bool] | None = None,
-        with_failure_count: bool = False,
-    ) -> T:
-        def retryable(error: Exception) -> bool:
-            if isinstance(error, (rexc.AuthenticationError, rexc.AuthorizationError)):
-                return False
-            return is_retryable(error) if is_retryable is not None else True
-
-        return super().call_with_retry(do, fail, retryable, with_failure_count)
-
-
-def default_retry() -> Retry:
-    # Connection errors only: a timeout already cost socket_timeout, and repeating it would
-    # multiply the wait of a caller that is about to fall back to recompute. Backoff sleeps
-    # are 0.1 + 0.2 + 0.4 s, so a refused connection fails in well under a second or two.
-    return _Retry(
-        ExponentialBackoff(cap=0.4, base=0.05), retries=3, supported_errors=(rexc.ConnectionError,)
-    )
 
 
 def _batched(items: Iterable[T], size: int) -> Iterator[list[T]]:
