@@ -184,14 +184,14 @@ class Paired:
                 last[t.conv] = t
         total = found = 0
         kvc = KVCloud.open(store=store, index=index, secret=env["KVCLOUD_SECRET"])
+        answers = {(x.conv, x.turn): x.text for x in turns}
         try:
             for conv, t in last.items():
-                by_turn = {x.turn: x for x in turns if x.conv == conv}
                 messages: list[dict[str, str]] = []
                 for k in range(t.turn + 1):
                     messages.append({"role": "user", "content": convs[conv][k]})
                     if k < t.turn:
-                        messages.append({"role": "assistant", "content": by_turn[k].text})
+                        messages.append({"role": "assistant", "content": answers[(conv, k)]})
                 r = httpx.post(
                     servers[0].url + "/tokenize",
                     json={"model": "smollm2", "messages": messages, "add_generation_prompt": True},

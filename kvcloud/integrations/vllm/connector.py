@@ -71,18 +71,22 @@ def _shard(vllm_config: Any, ns: Namespace, head_parts: int = 1) -> Shard:
     pc = vllm_config.parallel_config
     tp = int(pc.tensor_parallel_size)
     stage, stages = _pp_stage(pc, ns.num_layers)
-    shard = shard_of(_tp_rank(tp), tp, ns.num_kv_heads).with_stage(stage, stages)
-    try:
-        return shard.with_head_parts(head_parts, ns.num_kv_heads)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    return _stored_in(
+        shard_of(_tp_rank(tp), tp, ns.num_kv_heads).with_stage(stage, stages), ns, head_parts
+    )
 
 
 def _shard_of_rank0(vllm_config: Any, ns: Namespace, head_parts: int) -> Shard:
     """What ``_shard`` checks, without the distributed state the scheduler does not have."""
     tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    return _stored_in(shard_of(0, tp, ns.num_kv_heads), ns, head_parts)
+
+
+def _stored_in(shard: Shard, ns: Namespace, head_parts: int) -> Shard:
+    """``shard`` storing its chunks in ``head_parts`` head ranges; a ConfigError (one line
+    at start) for a value that cannot split the model's heads."""
     try:
-        return shard_of(0, tp, ns.num_kv_heads).with_head_parts(head_parts, ns.num_kv_heads)
+        return shard.with_head_parts(head_parts, ns.num_kv_heads)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -191,6 +191,7 @@ class Uploader:
         for tenant, fp, parent, kv, _, ready in batch:
             if ready is not None:
                 ready()
+            n = int(kv.shape[2])
             try:
                 registered = False
                 for heads in self.ranges:
@@ -199,7 +200,6 @@ class Uploader:
                         self.ns, fp, parent, sub, heads, layers=self.layers, tenant=tenant
                     )
                     self.count(parts_pushed=1)
-                    n = int(kv.shape[2])
                     registered |= self.client.offer_part(
                         self.ns, fp, heads, key, size, n, self.parts,
                         layers=self.layers, stages=self.stages,
