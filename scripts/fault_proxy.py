@@ -6,7 +6,9 @@ Modes, switched at any time (``proxy.set_mode``):
 - ``slow``: adds ``delay`` seconds before forwarding each piece of a request (client → server);
 - ``blackhole``: accepts connections and reads, never forwards or answers (a hung server, a
   dropped route); connections already open stop answering too;
-- ``refuse``: nothing listens on the port (connection refused); open connections are reset.
+- ``refuse``: nothing listens on the port (connection refused); open connections are reset;
+- ``throttle``: forwards, but the server's answers reach the client at ``rate`` bytes per
+  second at most (a store that is up but slow to deliver: a busy link, a far region).
 
 One asyncio loop in a daemon thread; no dependency beyond the standard library.
 """
@@ -18,13 +20,20 @@ import socket
 import threading
 from contextlib import suppress
 
-MODES = ("pass", "slow", "blackhole", "refuse")
+MODES = ("pass", "slow", "blackhole", "refuse", "throttle")
 
 
 class FaultProxy:
-    def __init__(self, target_port: int, target_host: str = "127.0.0.1", delay: float = 0.2):
+    def __init__(
+        self,
+        target_port: int,
+        target_host: str = "127.0.0.1",
+        delay: float = 0.2,
+        rate: float = 2e6,
+    ):
         self.target = (target_host, target_port)
         self.delay = delay
+        self.rate = rate  # bytes per second of answers in ``throttle`` mode
         self.mode = "pass"
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -96,6 +105,13 @@ class FaultProxy:
                 await asyncio.sleep(0.05)
             if request and self.mode == "slow":
                 await asyncio.sleep(self.delay)
+            if not request and self.mode == "throttle":
+                for i in range(0, len(data), 16384):  # paced in small pieces
+                    piece = data[i : i + 16384]
+                    dst.write(piece)
+                    await dst.drain()
+                    await asyncio.sleep(len(piece) / self.rate)
+                continue
             dst.write(data)
             await dst.drain()
 

@@ -31,6 +31,8 @@ SMOLLM2 = Path(
 )
 # a seeded random rank-8 LoRA adapter for SmolLM2 (scripts/build_lora.py, make install-vllm)
 LORA = Path(os.environ.get("KVCLOUD_LORA", ROOT / ".cache" / "models" / "smollm2-lora-r8"))
+# an EAGLE draft head for SmolLM2 (scripts/build_tiny_eagle.py, make install-vllm)
+EAGLE = Path(os.environ.get("KVCLOUD_EAGLE", ROOT / ".cache" / "models" / "smollm2-eagle"))
 CACHE = ROOT / ".cache" / "vllm"
 
 
@@ -45,6 +47,11 @@ def vllm_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env.update(
         {
             "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            # vLLM's CPU backend reserves a core for its scheduler process, but two when a
+            # KV transfer config is set, which on 2 cores it cannot do and then reserves
+            # none: a server with a connector ran its forward pass on both cores, one
+            # without on one, and prefilled 1.3x slower. The same for every server: none.
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": env.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
             "VLLM_USE_AOT_COMPILE": "0",
             "VLLM_CACHE_ROOT": str(CACHE),
             "TORCHINDUCTOR_CACHE_DIR": str(CACHE / "inductor"),

@@ -196,6 +196,21 @@ for arg in sys.argv[3:]:
     )  # fmt: skip
 
 
+# Swift's servers validate /etc/swift/swift.conf before they read their own config's swift_dir;
+# a package install without that file (seen on CI) fails them all. Point Swift at this
+# cluster's swift.conf first, then run the packaged server script as its own __main__.
+_LAUNCH = (
+    "import runpy, shutil, sys; from swift.common.utils import set_swift_dir; "
+    "set_swift_dir(sys.argv[1]); script = shutil.which(sys.argv[2]); "
+    "sys.argv = [script, *sys.argv[3:]]; runpy.run_path(script, run_name='__main__')"
+)
+
+
+def _in_dir(d: Path, binary: str) -> list[str]:
+    """argv prefix running Swift's ``binary`` with ``d/swift.conf`` as its swift.conf."""
+    return [*_swift_python(), "-c", _LAUNCH, str(d), binary]
+
+
 def _swift_python() -> list[str]:
     """The interpreter Swift is installed for (Debian's /usr/bin/python3, not the tests'
     venv), from its scripts' shebang line."""
@@ -231,7 +246,7 @@ def start_swift_s3(workdir: Path, part_power: int = 6, timeout: float = 60.0) ->
             conf.write_text(text)
             # -v: log to stderr too (the file below); there is no syslog here
             server = ServerProcess(
-                argv=[f"swift-{name}-server", str(conf), "-v"],
+                argv=[*_in_dir(d, f"swift-{name}-server"), str(conf), "-v"],
                 port=cluster.proxy_port if name == "proxy" else ports[name],
                 log_path=d / "log" / f"{name}.log",
             )

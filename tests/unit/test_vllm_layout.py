@@ -360,3 +360,55 @@ def test_an_mla_latent_cache_is_learned_as_one_head_of_two_halves(shape: str, dt
     mla_write(torch.cat([c[2 * n :], c[:n]]), torch.cat([pe[2 * n :], pe[:n]]), want, slots,
               "auto", scale)  # fmt: skip
     assert torch.equal(other, want)
+
+
+# -- fp8 caches: uint8 bytes a quantizing op writes ----------------------------------------------
+
+
+def fp8_layer(fmt, k_scale: float, v_scale: float) -> SimpleNamespace:
+    """A layer whose op quantizes as vLLM's fp8 caches do: K / k_scale and V / v_scale cast
+    to ``fmt``, their bytes written into a uint8 cache in the CPU backend's layout."""
+
+    def write(layer, key, value, cache, slots):  # type: ignore[no-untyped-def]
+        wide = cache.view(fmt).to(torch.float32)
+        cpu_write(
+            (key.float() / layer._k_scale).to(fmt).float(),
+            (value.float() / layer._v_scale).to(fmt).float(),
+            wide,
+            slots,
+        )
+        cache.copy_(wide.to(fmt).view(torch.uint8))
+
+    return SimpleNamespace(
+        impl=SimpleNamespace(do_kv_cache_update=write),
+        _k_scale=torch.tensor(k_scale),
+        _v_scale=torch.tensor(v_scale),
+        _k_scale_float=k_scale,
+        _v_scale_float=v_scale,
+    )
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_an_fp8_cache_is_learned_and_moved_as_its_bytes(fmt) -> None:  # type: ignore[no-untyped-def]
+    """vLLM allocates an fp8 cache as uint8 and its op quantizes with the layer's scales:
+    the layout is learned with the scales at 1 (and the checkpoint's put back), and a
+    chunk's bytes come out and go back exactly as the op wrote them."""
+    n, nb = 16, 6
+    layer = fp8_layer(fmt, 0.5, 2.0)
+    cache = torch.zeros(nb, H, n, 2 * D, dtype=torch.uint8)
+    with pytest.raises(LayoutError):  # read as plain values, the quantized probe is lost
+        learn_layout(layer, cache, nb, n, H, D)
+    layout = learn_layout(layer, cache, nb, n, H, D, fp8=fmt, probe_dtype=torch.float32)
+    assert float(layer._k_scale) == 0.5 and layer._v_scale_float == 2.0  # put back
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(2 * n, H, D, generator=g), torch.randn(2 * n, H, D, generator=g)
+    layer.impl.do_kv_cache_update(layer, k, v, cache, torch.arange(2 * n) + 3 * n)
+    got = layout.gather(cache, [3, 4])  # [2, tokens, heads, dim] of uint8
+    assert got.dtype == torch.uint8
+    # the bytes are the quantized values, independently computed
+    assert torch.equal(got[0].view(fmt).float(), (k / 0.5).to(fmt).float())
+    assert torch.equal(got[1].view(fmt).float(), (v / 2.0).to(fmt).float())
+    other = torch.zeros_like(cache)
+    layout.scatter(other, [0, 5], got)
+    assert torch.equal(layout.gather(other, [0, 5]), got)
+    assert torch.equal(other[0], cache[3]) and torch.equal(other[5], cache[4])

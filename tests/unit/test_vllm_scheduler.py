@@ -565,3 +565,28 @@ def test_adapter_digests_and_remembered_bad_objects_stay_bounded(
         r._remember_bad(f"key{i}")
     assert len(r._bad_objects) <= 4097
     assert r._is_bad("key4999") and not r._is_bad("key0")
+
+
+def test_with_a_drafter_the_last_block_of_a_hit_on_a_chunk_boundary_is_computed(
+    stored: tuple[KVCloud, list[int]],
+) -> None:
+    """An EAGLE drafter's KV at a position is computed from the token after it: at a
+    chunk's last position that token is not covered by the chunk's key (another prompt
+    stored it), so a hit ending on a chunk boundary leaves its last block to vLLM (as vLLM
+    drops the last block of its own prefix hit for EAGLE). One ending inside a chunk
+    needs no cut: the next token is in the chunk."""
+    from kvcloud.integrations.vllm.scheduler import SchedulerSide
+
+    kvc, tokens = stored
+    config = VLLMConnectorConfig(chunk_tokens=C)
+    s = SchedulerSide(config, make_ns("float32"), kvc, BS, drafter=True)
+    req = request("d1", tokens)  # 4 stored chunks, then 5 more tokens
+    s.on_new_request(req)
+    assert ask(s, req) == 4 * C - BS
+    exact = request("d2", tokens[: 4 * C])  # the hit is cut at the last block anyway
+    s.on_new_request(exact)
+    assert ask(s, exact) == 4 * C - BS
+    plain = side(kvc)
+    req = request("p1", tokens)
+    plain.on_new_request(req)
+    assert ask(plain, req) == 4 * C

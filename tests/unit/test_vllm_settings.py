@@ -171,14 +171,60 @@ def test_every_pipeline_split_has_the_whole_models_namespace() -> None:
     assert vllm_namespace(staged, cfg).id == plain.id and plain.num_layers == 2
 
 
-def test_speculative_decoding_with_draft_kv_is_refused() -> None:
-    groups = SimpleNamespace(kv_cache_groups=[object()])
+def test_an_eagle_drafter_is_stored_with_the_target_and_named_in_the_namespace(
+    tmp_path: Path,
+) -> None:
+    """EAGLE, EAGLE-3 and MTP drafters' layers follow the target's in the one cache group:
+    stored in the same chunks (the namespace counts them), under a namespace naming the
+    drafter (method and checkpoint digest); a separate draft model, and a drafter under
+    pipeline parallelism, are refused at start."""
+    from kvcloud.integrations.vllm.keys import drafter_layers
+
+    cfg = VLLMConnectorConfig(weights_digest="sha256-x")
+    layers = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    plain_groups = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=layers)])
+    groups = SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(layer_names=[*layers, "model.layers.2.self_attn.attn"])]
+    )
     vc = _vllm_config()
     check_supported(vc, groups)
+    plain = vllm_namespace(vc, cfg, plain_groups)
     vc.speculative_config = SimpleNamespace(method="ngram", uses_draft_kv_cache=lambda: False)
     check_supported(vc, groups)
-    vc.speculative_config = SimpleNamespace(method="eagle", uses_draft_kv_cache=lambda: True)
-    with pytest.raises(ConfigError, match=r"draft model \(eagle\)"):
+    assert vllm_namespace(vc, cfg, plain_groups).id == plain.id  # ngram: no KV of its own
+    head = tmp_path / "eagle"
+    head.mkdir()
+    (head / "model.safetensors").write_bytes(b"head one")
+
+    def eagle(method: str = "eagle") -> SimpleNamespace:
+        return SimpleNamespace(
+            method=method,
+            uses_draft_kv_cache=lambda: True,
+            use_eagle=lambda: True,
+            draft_model_config=SimpleNamespace(
+                model=str(head), revision=None, get_total_num_hidden_layers=lambda: 1
+            ),
+        )
+
+    vc.speculative_config = eagle()
+    check_supported(vc, groups)
+    assert drafter_layers(vc, groups) == 1 and drafter_layers(vc) == 1
+    drafted = vllm_namespace(vc, cfg, groups)
+    assert drafted.num_layers == 3 and '"drafter": "eagle:sha256-' in drafted.extra
+    assert drafted.id != plain.id
+    (head / "model.safetensors").write_bytes(b"head two")  # another drafter's weights
+    assert vllm_namespace(vc, cfg, groups).id != drafted.id
+    vc.speculative_config = eagle("eagle3")
+    assert vllm_namespace(vc, cfg, groups).id != drafted.id
+    # a separate draft model numbers its layers from 0 again
+    vc.speculative_config = SimpleNamespace(
+        method="draft_model", uses_draft_kv_cache=lambda: True, use_eagle=lambda: False
+    )
+    with pytest.raises(ConfigError, match="not of a separate draft model"):
+        check_supported(vc, groups)
+    vc.speculative_config = eagle()
+    vc.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ConfigError, match="pipeline parallelism"):
         check_supported(vc, groups)
 
 
@@ -304,3 +350,80 @@ def test_rope_theta_and_scaling_never_share(tmp_path: Path) -> None:
     )
     ns = vllm_namespace(overridden, VLLMConnectorConfig(weights_digest="sha256-x"))
     assert '"rope": "yarn:' in ns.extra and ns.id != _ns_id(plain)
+
+
+def test_an_fp8_kv_cache_has_its_own_namespace() -> None:
+    """fp8 caches store their bytes (float8 in the namespace, half of bf16's); fp8 and bf16
+    never share, nor e4m3 and e5m2; what the connector cannot read is refused at start."""
+    cfg = VLLMConnectorConfig(weights_digest="sha256-x")
+
+    def ns(cache_dtype: str, **over: object):  # type: ignore[no-untyped-def]
+        vc = _vllm_config(**over)
+        vc.cache_config.cache_dtype = cache_dtype
+        return vllm_namespace(vc, cfg)
+
+    auto, e4m3, e4m3_too, e5m2 = ns("auto"), ns("fp8"), ns("fp8_e4m3"), ns("fp8_e5m2")
+    assert (e4m3.dtype, e5m2.dtype) == ("float8_e4m3fn", "float8_e5m2")
+    assert e4m3.id == e4m3_too.id  # vLLM's fp8 is e4m3
+    assert len({auto.id, e4m3.id, e5m2.id}) == 3
+    # the scales come with the checkpoint: another checkpoint, another namespace
+    other = vllm_namespace(_fp8(_vllm_config()), VLLMConnectorConfig(weights_digest="sha256-y"))
+    assert other.id != e4m3.id
+    for bad in ("fp8_inc", "fp8_ds_mla", "fp8_per_token_head"):
+        with pytest.raises(ConfigError, match="fp8, fp8_e4m3, fp8_e5m2"):
+            ns(bad)
+    vc = _fp8(_vllm_config())
+    vc.cache_config.kv_cache_dtype_skip_layers = ["sliding_window"]
+    with pytest.raises(ConfigError, match="skip_layers"):
+        vllm_namespace(vc, cfg)
+    hf = SimpleNamespace(
+        model_type="deepseek_v2", to_json_string=lambda: "{}", kv_lora_rank=512,
+        qk_rope_head_dim=64,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="MLA model with an fp8"):
+        vllm_namespace(_fp8(_vllm_config(use_mla=True, hf_config=hf)), cfg)
+
+
+def _fp8(vc: SimpleNamespace) -> SimpleNamespace:
+    vc.cache_config.cache_dtype = "fp8"
+    return vc
+
+
+def test_mamba_and_linear_attention_are_refused_with_the_reason() -> None:
+    """A recurrent state is not KV per token: refused at start with the sentence docs/VLLM.md
+    gives, alone or inside vLLM's per-layer wrapper; and only vLLM's SlidingWindowSpec counts
+    as a window that frees blocks (a FullAttentionSpec carrying a sliding_window, as vLLM
+    makes when its hybrid allocator is off, keeps every block)."""
+    from kvcloud.integrations.vllm.keys import MAMBA_REASON, sliding_window
+
+    class MambaSpec:  # named as vLLM's (v1/kv_cache_interface.py)
+        block_size = 16
+
+    class Mamba2LikeSpec(MambaSpec):
+        pass
+
+    class FullAttentionSpec:
+        def __init__(self, window: int | None = None) -> None:
+            self.sliding_window = window
+
+    class SlidingWindowSpec:
+        sliding_window = 512
+
+    class UniformTypeKVCacheSpecs:
+        def __init__(self, **specs: object) -> None:
+            self.kv_cache_specs = specs
+
+    def groups(*specs: object) -> SimpleNamespace:
+        return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s) for s in specs])
+
+    vc = _vllm_config()
+    check_supported(vc, groups(FullAttentionSpec()))
+    for state in (MambaSpec(), Mamba2LikeSpec(), UniformTypeKVCacheSpecs(a=MambaSpec())):
+        with pytest.raises(ConfigError) as err:
+            check_supported(vc, groups(FullAttentionSpec(), state))
+        assert str(err.value) == MAMBA_REASON
+    with pytest.raises(ConfigError, match="Mamba"):
+        check_supported(vc, groups(MambaSpec()))  # a pure Mamba model, one group
+    assert sliding_window(groups(SlidingWindowSpec())) == 512
+    assert sliding_window(groups(FullAttentionSpec(4096))) is None
+    assert sliding_window(groups(FullAttentionSpec())) is None

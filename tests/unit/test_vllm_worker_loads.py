@@ -263,6 +263,9 @@ def test_a_restore_past_its_deadline_is_abandoned_and_never_writes(tmp_path: Pat
     # the object is remembered: the scheduler side hears of it
     meta = ws.build_worker_meta()
     assert meta is not None and spec.chunks[0].object_key in meta.bad_objects
+    # and the cost guard hears what the store delivered in the 1.5 s it had: nothing
+    assert meta.given_up_bytes == 0
+    assert meta.given_up_s == pytest.approx(1.5)
 
 
 def test_a_failing_store_opens_the_breaker_and_loads_are_refused_at_once(
@@ -828,3 +831,61 @@ def test_a_restore_that_timed_out_queued_here_is_recomputed_but_not_blamed_on_th
     assert step(ws, again) == set()
     assert_blocks_hold(ws, kv, again, range(2))
     assert all(reads.get(ch.object_key) == 1 for ch in queued.chunks)
+
+
+def test_a_restore_given_up_reports_what_the_store_delivered(tmp_path: Path) -> None:
+    """The cost guard's measure of a store too slow to finish a restore: the bytes of the
+    layers that came in before the timeout, over the time it had."""
+    ws, kvc, _, spec = setup(tmp_path, load_timeout=1.0)
+    clock = _Clock()
+    ws._clock = clock
+    late = [ch.object_key for ch in spec.chunks[2:]]
+    gates, _, _ = gate_keys(kvc, late)  # chunks 0 and 1 come, 2 and 3 hang
+    ws.start_load_kv(SimpleNamespace(loads=[spec], saves=[]))  # type: ignore[arg-type]
+    load = ws._loads[spec.req_id]
+    deadline = time.monotonic() + 30
+    while sum(load.written) < 2 * ws.num_layers:  # both layers of two chunks written
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    clock.t += 1.5
+    _, done = ws.get_finished(set())
+    assert done == {spec.req_id}
+    for gate in gates.values():
+        gate.set()
+    meta = ws.build_worker_meta()
+    assert meta is not None
+    # half the restore's bytes (every chunk the same size), in the 1.5 s it had
+    assert meta.given_up_bytes == sum(ch.size for ch in spec.chunks) // 2
+    assert meta.given_up_s == pytest.approx(1.5)
+    ws._pool.shutdown(wait=True)
+
+
+def test_with_a_drafter_the_save_waits_for_its_kv(tmp_path: Path) -> None:
+    """V1 defers ``wait_for_save`` past the drafter so that its KV layers are written before
+    the chunk is copied (``gpu_model_runner``: "to allow draft model to also save its KV
+    cache"); ``get_finished`` comes before the drafter. With a drafter the copy must wait
+    for ``wait_for_save``: what a layer holds after ``get_finished`` is what is stored."""
+    from kvcloud.integrations.vllm.specs import SaveChunk, SaveSpec
+
+    ws, kvc, kv, fps = saver(tmp_path)
+    ws.drafter = True
+    ns = ws.ns
+    last = f"model.layers.{ns.num_layers - 1}.self_attn.attn"  # the drafter's, here
+    layout = ws.layouts[last]
+    ws.start_load_kv(
+        meta(saves=[SaveSpec("r1", "default", [SaveChunk(0, fps[0], ns.digest, SAVE_IDS[0])])])
+    )  # type: ignore[arg-type]  # noqa: E501
+    ws.get_finished(set())
+    ws.get_block_ids_with_load_errors()
+    # the drafter runs now, writing its layer's KV for the chunk's tokens
+    drafted = torch.from_numpy(kv[ns.num_layers - 1, :, : ns.chunk_tokens]) + 1.0
+    layout.scatter(ws.caches[last], SAVE_IDS[0], drafted)
+    ws.wait_for_save()
+    assert ws.uploader is not None
+    ws.uploader.close()
+    m = kvc.lookup(ns, [int(t) for t in make_tokens(ns.chunk_tokens)])
+    assert m.tokens == ns.chunk_tokens
+    got = kvc.pull(m)
+    assert same_bits(got[: ns.num_layers - 1], kv[: ns.num_layers - 1, :, : ns.chunk_tokens])
+    assert same_bits(got[ns.num_layers - 1], drafted.numpy())  # the drafter's, not the old
+    ws.shutdown()

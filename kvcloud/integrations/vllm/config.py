@@ -147,6 +147,19 @@ class VLLMConnectorConfig:
     min_hit_tokens: int = field(default=0, metadata={"env": "KVCLOUD_MIN_HIT_TOKENS"})
     """A kvcloud hit shorter than this (beyond vLLM's own prefix cache) is not loaded."""
 
+    cost_margin: float = field(default=1.25, metadata={"env": "KVCLOUD_COST_MARGIN"})
+    """A hit is loaded only where restoring it is expected to take at most 1/margin of the
+    time vLLM would take to compute it (invariant 5, never slower than recompute): the
+    expected restore time is its bytes over the restore rate the workers measure, the
+    compute time its tokens over the prefill rate they measure. Of a long hit, the longest
+    part that pays is loaded, the rest computed. Until both rates are measured every hit is
+    loaded (as with 0, which turns the guard off). docs/VLLM.md, "Never slower than
+    recompute", has how the default was chosen."""
+
+    cost_reprobe_s: float = field(default=60.0, metadata={"env": "KVCLOUD_COST_REPROBE_S"})
+    """While the guard skips every hit, one hit per this many seconds loads its first chunk
+    anyway (``cost_probes``), so a store that got faster is seen again."""
+
     codec: str = field(default="raw", metadata={"env": "KVCLOUD_CODEC"})
     """Codec for new segments: raw, zstd or lz4 (lossless)."""
 
@@ -216,6 +229,7 @@ class VLLMConnectorConfig:
             "breaker_backoff",
             "breaker_max_backoff",
             "failure_memory",
+            "cost_reprobe_s",
         ):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value <= 0:
@@ -250,6 +264,12 @@ class VLLMConnectorConfig:
             or not self.drain_seconds >= 0
         ):
             raise ConfigError(f"drain_seconds must be >= 0, got {self.drain_seconds!r}")
+        if (
+            isinstance(self.cost_margin, bool)
+            or not isinstance(self.cost_margin, int | float)
+            or not self.cost_margin >= 0
+        ):
+            raise ConfigError(f"cost_margin must be >= 0 (0: off), got {self.cost_margin!r}")
         if not isinstance(self.min_hit_tokens, int) or self.min_hit_tokens < 0:
             raise ConfigError(f"min_hit_tokens must be >= 0, got {self.min_hit_tokens!r}")
 

@@ -23,7 +23,7 @@ from ...client import KVCloud
 from ...errors import ConfigError, KVCloudError
 from ...namespace import Namespace
 from .config import VLLMConnectorConfig
-from .keys import check_supported, sliding_window, vllm_namespace
+from .keys import check_supported, drafter_layers, sliding_window, vllm_namespace
 from .metadata import (
     GAUGES,
     KVCloudConnectorMetadata,
@@ -129,7 +129,7 @@ class KVCloudConnector(KVConnectorBase_V1):
                     "KVCLOUD_CHUNK_TOKENS) to a multiple of --block-size"
                 )
             check_supported(vllm_config, kv_cache_config)
-            ns = vllm_namespace(vllm_config, cfg)
+            ns = vllm_namespace(vllm_config, cfg, kv_cache_config)
             # rank 0's shard on the scheduler (it holds no KV): the same check at start
             shard = (
                 _shard(vllm_config, ns, cfg.head_parts)
@@ -163,7 +163,12 @@ class KVCloudConnector(KVConnectorBase_V1):
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
             self._scheduler = SchedulerSide(
-                cfg, ns, client, block_size, sliding=sliding_window(kv_cache_config) is not None
+                cfg,
+                ns,
+                client,
+                block_size,
+                sliding=sliding_window(kv_cache_config) is not None,
+                drafter=drafter_layers(vllm_config, kv_cache_config) > 0,
             )
         else:
             self._worker = WorkerSide(
@@ -212,6 +217,17 @@ class KVCloudConnector(KVConnectorBase_V1):
         side = self._worker or self._scheduler
         if side is not None:
             side.count(connector_errors=1)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # both model runners bind the step's metadata before its forward pass (start_load_kv
+        # comes after the pass where the step has no restore in it): the pass is timed
+        # from here to wait_for_save, for the cost guard's prefill rate
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVCloudConnectorMetadata):
+            try:
+                self._worker.pass_begins(connector_metadata)
+            except Exception as exc:
+                self._failed("timing this step", exc)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
@@ -355,7 +371,8 @@ class KVCloudConnector(KVConnectorBase_V1):
             except Exception as again:
                 self._failed("refusing this step's restores", again)
                 step = StepSpec()
-        return KVCloudConnectorMetadata(loads=step.loads, saves=step.saves)
+        step.tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+        return KVCloudConnectorMetadata(loads=step.loads, saves=step.saves, tokens=step.tokens)
 
     def request_finished(
         self, request: Any, block_ids: list[int]

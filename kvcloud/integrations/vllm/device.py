@@ -21,6 +21,7 @@ a no-op: the same code path, tested here on CPU tensors, runs on CUDA tensors un
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -111,3 +112,52 @@ class Streams:
         event.record(self._save)
         torch.cuda.current_stream(self.device).wait_event(event)
         return Fence(event)
+
+
+class PassClock:
+    """Times forward passes (``begin`` before one, ``end`` after it), for the prefill rate
+    the cost guard compares restores with. On a GPU the host returns from a pass as soon as
+    its kernels are queued, so the time is taken between events on the engine's stream,
+    read once they have passed (``take`` never waits for the device); on the CPU backend,
+    the host clock."""
+
+    def __init__(self) -> None:
+        self._open: tuple[int, Any, Streams] | None = None
+        self._ended: list[tuple[int, Any, Any]] = []  # (tokens, start, end) not yet taken
+
+    def _now(self, streams: Streams) -> Any:
+        if not streams.has_streams:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(streams.device))
+        return event
+
+    def begin(self, streams: Streams, tokens: int) -> None:
+        self._open = (tokens, self._now(streams), streams)
+
+    def cancel(self) -> None:
+        self._open = None
+
+    def end(self) -> None:
+        if self._open is None:
+            return
+        tokens, start, streams = self._open
+        self._open = None
+        if len(self._ended) < 1000:  # bounded if nobody takes them
+            self._ended.append((tokens, start, self._now(streams)))
+
+    def take(self) -> tuple[int, float]:
+        """Tokens and seconds of the passes ended (on the device too) since the last take."""
+        tokens, seconds, waiting = 0, 0.0, []
+        for item in self._ended:
+            n, start, end = item
+            if isinstance(end, float):
+                seconds += end - start
+            elif end.query():
+                seconds += start.elapsed_time(end) / 1000
+            else:
+                waiting.append(item)
+                continue
+            tokens += n
+        self._ended = waiting
+        return tokens, seconds

@@ -27,7 +27,7 @@ from .config import VLLMConnectorConfig
 from .versions import SLEEP_MODE_REASON
 
 LAYOUT_VERSION = "vllm-kv-v1"
-_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 
 def _digest_files(folder: Path) -> str:
@@ -77,20 +77,81 @@ def checkpoint_digest(model: str, revision: str | None = None) -> str:
     return _digest_files(snapshot)
 
 
+def _fp8_e4m3_name() -> str:
+    """The e4m3 format vLLM's ``fp8`` means on this platform (``float8_e4m3fn``; ROCm's
+    MI300 uses ``float8_e4m3fnuz``, whose bytes mean other values)."""
+    try:
+        from vllm.platforms import current_platform
+
+        return str(current_platform.fp8_dtype()).removeprefix("torch.")
+    except Exception:  # no vLLM platform (tests without vLLM): NVIDIA's and the CPU's
+        return "float8_e4m3fn"
+
+
 def kv_dtype_name(vllm_config: Any) -> str:
+    """The namespace dtype of vLLM's KV cache: the model's, or the fp8 format of an fp8
+    cache. An fp8 cache's bytes mean ``byte × scale``, its layers' K and V scales: vLLM 0.32
+    reads them from the checkpoint (1.0 where it has none, never computed at run time), so
+    the checkpoint digest in the namespace pins them with the weights (a ``weights_digest``
+    set by hand must pin the scale tensors too)."""
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     if cache_dtype == "auto":
         name = dtype_name(vllm_config.model_config.dtype)
     else:
-        name = {"float16": "float16", "half": "float16", "bfloat16": "bfloat16"}.get(
-            cache_dtype, cache_dtype
-        )
+        name = {
+            "float16": "float16",
+            "half": "float16",
+            "bfloat16": "bfloat16",
+            "fp8": _fp8_e4m3_name(),
+            "fp8_e4m3": _fp8_e4m3_name(),
+            "fp8_e5m2": "float8_e5m2",
+        }.get(cache_dtype, cache_dtype)
     if name not in _DTYPES:
         raise ConfigError(
-            f"KV cache dtype {cache_dtype!r}: the kvcloud connector stores float32, float16 "
-            "or bfloat16 KV (quantized fp8 caches need per-layer scales it does not carry yet)"
+            f"KV cache dtype {cache_dtype!r} ({name}): the kvcloud connector stores float32, "
+            "float16, bfloat16 and fp8 KV (fp8, fp8_e4m3, fp8_e5m2 with per-tensor scales; "
+            "not fp8_inc, fp8_ds_mla, per-token-head scales or e4m3fnuz)"
         )
+    if name.startswith("float8"):
+        if mla_dims(vllm_config.model_config) is not None:
+            raise ConfigError(
+                "an MLA model with an fp8 KV cache: its latent rows are quantized in a layout "
+                "the kvcloud connector does not read; use --kv-cache-dtype auto"
+            )
+        if getattr(vllm_config.cache_config, "kv_cache_dtype_skip_layers", None):
+            raise ConfigError(
+                "kv_cache_dtype_skip_layers: some layers fp8, others not; the kvcloud "
+                "connector stores one KV dtype for every layer"
+            )
     return name
+
+
+def drafter_layers(vllm_config: Any, kv_cache_config: Any = None) -> int:
+    """KV layers a speculative drafter adds to vLLM's cache (EAGLE's draft layer, MTP's
+    layers): 0 without one. vLLM names them after the target's (EAGLE's first is
+    ``model.layers.<target layers>``), in the one cache group; counted from that group's
+    layer names, else from the draft model's config."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or not _draft_kv(spec):
+        return 0
+    target = int(vllm_config.model_config.get_total_num_hidden_layers())
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if groups and getattr(groups[0], "layer_names", None):
+        return max(0, len(groups[0].layer_names) - target)
+    draft = getattr(spec, "draft_model_config", None)
+    return int(draft.get_total_num_hidden_layers()) if draft is not None else 1
+
+
+def _drafter_digest(vllm_config: Any) -> str:
+    """What pins a drafter's KV: its method and its checkpoint (an MTP head inside the
+    target's own checkpoint is pinned by the target's digest)."""
+    spec = vllm_config.speculative_config
+    method = str(getattr(spec, "method", "") or "")
+    draft = getattr(spec, "draft_model_config", None)
+    model = str(getattr(draft, "model", "") or "")
+    if not model or model == str(vllm_config.model_config.model):
+        return method
+    return f"{method}:{checkpoint_digest(model, getattr(draft, 'revision', None))}"
 
 
 def _draft_kv(spec: Any) -> bool:
@@ -125,17 +186,47 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
     spec = getattr(vllm_config, "speculative_config", None)
     method = str(getattr(spec, "method", "") or "") if spec is not None else ""
     if spec is not None and _draft_kv(spec):
-        raise ConfigError(
-            f"speculative decoding with a draft model ({method}): its KV layers would be "
-            "stored as if they were the target model's; the kvcloud connector supports "
-            "draft-free speculative decoding (ngram, suffix) only"
-        )
+        eagle = getattr(spec, "use_eagle", None)
+        if not (callable(eagle) and eagle()):
+            raise ConfigError(
+                f"speculative decoding with {method}: the kvcloud connector stores the KV "
+                "of EAGLE, EAGLE-3 and MTP drafters (their layers follow the target's), "
+                "not of a separate draft model; use one of those or ngram/suffix decoding"
+            )
+        if int(getattr(pc, "pipeline_parallel_size", 1) or 1) > 1:
+            raise ConfigError(
+                f"speculative decoding ({method}) with pipeline parallelism: the drafter's "
+                "layers live on the last stage only; the kvcloud connector does not split them"
+            )
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if any(_is_state(getattr(g, "kv_cache_spec", None)) for g in groups):
+        raise ConfigError(MAMBA_REASON)
     if len(groups) > 1:
         raise ConfigError(
             f"the model has {len(groups)} KV cache groups (hybrid or sliding-window layers); "
             "the kvcloud connector supports one group of full-attention layers"
         )
+
+
+MAMBA_REASON = (
+    "a model with Mamba or linear-attention layers: their cache is one fixed-size state per "
+    "request (convolution and SSM state), not KV per token, and a prefix's state exists "
+    "only at the boundaries vLLM checkpoints it (prefix caching's mamba_cache_mode 'align'). "
+    "A connector would need the state's own cache group (SupportsHMA), a state per chunk "
+    "boundary in the store beside the attention KV, and to restore the state at the restore "
+    "point only; the kvcloud connector stores attention KV only, so it refuses these models"
+)
+
+
+def _is_state(spec: Any) -> bool:
+    """Is a KV cache group's spec a recurrent state (Mamba, linear attention), directly or
+    inside vLLM's per-layer wrapper (``UniformTypeKVCacheSpecs``)?"""
+    if spec is None:
+        return False
+    inner = getattr(spec, "kv_cache_specs", None)
+    if isinstance(inner, dict):
+        return any(_is_state(s) for s in inner.values())
+    return any(cls.__name__ == "MambaSpec" for cls in type(spec).__mro__)
 
 
 def mla_dims(mc: Any) -> tuple[int, int] | None:
@@ -163,7 +254,12 @@ def sliding_window(kv_cache_config: Any) -> int | None:
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     if not groups:
         return None
-    window = getattr(groups[0].kv_cache_spec, "sliding_window", None)
+    spec = groups[0].kv_cache_spec
+    # only vLLM's SlidingWindowSpec frees blocks behind the window: other specs may carry
+    # a sliding_window attribute (chunked local attention's is its chunk) without doing so
+    if not any(cls.__name__ == "SlidingWindowSpec" for cls in type(spec).__mro__):
+        return None
+    window = getattr(spec, "sliding_window", None)
     return int(window) if window else None
 
 
@@ -365,7 +461,9 @@ def rope_signature(model_config: Any) -> str | None:
     return f"{label}:{digest}"
 
 
-def vllm_namespace(vllm_config: Any, cfg: VLLMConnectorConfig) -> Namespace:
+def vllm_namespace(
+    vllm_config: Any, cfg: VLLMConnectorConfig, kv_cache_config: Any = None
+) -> Namespace:
     mc = vllm_config.model_config
     hf = mc.hf_config
     extra = {
@@ -395,10 +493,17 @@ def vllm_namespace(vllm_config: Any, cfg: VLLMConnectorConfig) -> Namespace:
         # one latent row per token, stored as one head of two halves (see mla_dims)
         extra["mla"] = f"latent={mla[0]},rope={mla[1]}"
         heads, head_dim = 1, (mla[0] + mla[1]) // 2
+    drafted = drafter_layers(vllm_config, kv_cache_config)
+    if drafted:
+        # a drafter's layers are stored after the target's, in the same chunk: its KV must
+        # come back with the target's (a restore without it changes the proposals), and
+        # another drafter's KV is another namespace
+        extra["drafter"] = _drafter_digest(vllm_config)
     return Namespace(
         model=f"vllm/{getattr(hf, 'model_type', 'unknown')}",
-        # the whole model's layers, whatever the pipeline split: every PP size shares
-        num_layers=int(mc.get_total_num_hidden_layers()),
+        # the whole model's layers, whatever the pipeline split: every PP size shares;
+        # then the drafter's, if any
+        num_layers=int(mc.get_total_num_hidden_layers()) + drafted,
         num_kv_heads=heads,
         head_dim=head_dim,
         revision=cfg.weights_digest or checkpoint_digest(mc.model, getattr(mc, "revision", None)),

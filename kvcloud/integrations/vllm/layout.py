@@ -26,8 +26,9 @@ correct for any permutation but several times slower.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +37,10 @@ import torch
 from ...errors import LayoutError
 
 # probe digits run 1..BASE so a zero in the scratch block means "not written"; every integer
-# up to 256 is exact in float16 and bfloat16
+# up to 256 is exact in float16 and bfloat16, up to 8 in both fp8 formats (e5m2 has two
+# mantissa bits), so an fp8 cache is probed in base 8 (more passes, the same positions)
 _BASE = 64
+_FP8_BASE = 8
 
 
 # a write into at most this many runs of consecutive blocks is done as slice copies: on CPU
@@ -331,6 +334,29 @@ def write_probe(
     )
 
 
+@contextlib.contextmanager
+def _unit_scales(layer: Any) -> Iterator[None]:
+    """An fp8 cache's write op divides by the layer's K and V scales (the checkpoint's):
+    the probe's digits must land as themselves, so the scales are 1 while it runs."""
+    saved: dict[str, Any] = {}
+    for name in ("_k_scale", "_v_scale", "_k_scale_float", "_v_scale_float"):
+        value = getattr(layer, name, None)
+        if isinstance(value, torch.Tensor):
+            saved[name] = value.clone()
+            value.fill_(1.0)
+        elif isinstance(value, float):
+            saved[name] = value
+            setattr(layer, name, 1.0)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if isinstance(value, torch.Tensor):
+                getattr(layer, name).copy_(value)
+            else:
+                setattr(layer, name, value)
+
+
 def learn_layout(
     layer: Any,
     cache: torch.Tensor,
@@ -338,9 +364,31 @@ def learn_layout(
     block_size: int,
     num_kv_heads: int,
     head_dim: int,
+    fp8: torch.dtype | None = None,
+    probe_dtype: torch.dtype = torch.float32,
 ) -> BlockLayout:
     """Learn one layer's block layout by writing probes through ``layer.impl``
-    (``write_probe``)."""
+    (``write_probe``). ``fp8``: the cache holds fp8 bytes of that format (vLLM allocates
+    fp8 caches as uint8); the probe is then written in ``probe_dtype`` (the model's, which
+    the op quantizes) and read back as fp8."""
+    if fp8 is not None:
+        with _unit_scales(layer):
+            return _learn(layer, cache, num_blocks, block_size, num_kv_heads, head_dim,
+                          fp8, probe_dtype)  # fmt: skip
+    return _learn(layer, cache, num_blocks, block_size, num_kv_heads, head_dim, None, cache.dtype)
+
+
+def _learn(
+    layer: Any,
+    cache: torch.Tensor,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    fp8: torch.dtype | None,
+    probe_dtype: torch.dtype,
+) -> BlockLayout:
+    base = _FP8_BASE if fp8 is not None else _BASE
     block_dim = find_block_dim(cache, num_blocks)
     scratch_shape = list(cache.shape)
     scratch_shape[block_dim] = 1
@@ -356,18 +404,21 @@ def learn_layout(
     # wrote comes back to the host, to be decoded
     device = cache.device
     index = torch.arange(n_elems, dtype=torch.long, device=device)
-    passes = max(1, math.ceil(math.log(n_elems, _BASE)))
+    passes = max(1, math.ceil(math.log(n_elems, base)))
     found = torch.zeros(block_numel, dtype=torch.long)
     written = torch.ones(block_numel, dtype=torch.bool)
     slots = torch.arange(block_size, dtype=torch.long, device=device)
     for p in range(passes):
-        digits = (index // _BASE**p) % _BASE + 1
-        kv = digits.view(2, block_size, num_kv_heads, head_dim).to(cache.dtype)
+        digits = (index // base**p) % base + 1
+        kv = digits.view(2, block_size, num_kv_heads, head_dim).to(probe_dtype)
         scratch.zero_()
         write_probe(layer, kv[0].contiguous(), kv[1].contiguous(), scratch, slots)
-        seen = scratch.select(block_dim, 0).reshape(-1).to(torch.float64).cpu().round().long()
+        block = scratch.select(block_dim, 0).reshape(-1)
+        if fp8 is not None:
+            block = block.view(fp8)
+        seen = block.to(torch.float64).cpu().round().long()
         written &= seen > 0
-        found += (seen - 1).clamp(min=0) * _BASE**p
+        found += (seen - 1).clamp(min=0) * base**p
     positions = torch.full((n_elems,), -1, dtype=torch.long)
     where = torch.nonzero(written).flatten()
     targets = found[where]

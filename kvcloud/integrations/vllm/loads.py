@@ -74,7 +74,13 @@ TORCH_DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
+    # vLLM allocates fp8 caches as uint8 (its kernels read the bytes as fp8): kvcloud moves
+    # the bytes as they are, half the traffic of bf16
+    "float8_e4m3fn": torch.uint8,
+    "float8_e5m2": torch.uint8,
 }
+# the fp8 format each fp8 namespace dtype's bytes are in
+FP8_FORMATS = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
 class _GivenUp(Exception):
@@ -203,6 +209,9 @@ class Restores:
         # restores ended since the last report: bytes and seconds, in the step and beside it
         self._in_step = _Moved()
         self._beside = _Moved()
+        # restores given up at their timeout: the bytes they got over the time they had (the
+        # cost guard's measure of a store too slow to finish one)
+        self._given_up = _Moved()
 
     def _breaker_changed(self, old: str, new: str) -> None:
         if new == "open":
@@ -300,6 +309,10 @@ class Restores:
                 return False
             load.abandoned = True
             blame = load.started is not None and now >= load.started + load.timeout
+            # the bytes it got by now: the layers verified and written, each about a
+            # layer's share of its object (pulls report their bytes only when they end)
+            sizes = [ch.size for ch in load.spec.chunks[: load.limit]]
+            got = sum(load.written) * sum(sizes) / max(1, len(sizes) * self.num_layers)
         if not blame:
             log.warning(
                 "kvcloud restore of %s given up: it waited on this worker's load threads "
@@ -315,6 +328,10 @@ class Restores:
             load.timeout,
         )
         self.count(load_timeouts=1)
+        assert load.started is not None
+        with self._meta_lock:  # what the store delivered in the time it had: its rate
+            self._given_up.bytes += int(got)
+            self._given_up.seconds += now - load.started
         self._remember_bad(load.spec.chunks[0].object_key)
         self.store_breaker.failure("restore timed out", timeout=True)
         return True

@@ -24,6 +24,7 @@ from .specs import LoadSpec, SaveSpec
 class KVCloudConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    tokens: int = 0  # the step's scheduled tokens (specs.StepSpec.tokens)
 
 
 # counters every step may report, worker and scheduler side together; also the Prometheus
@@ -45,6 +46,9 @@ COUNTERS: dict[str, str] = {
     "index_breaker_opened": "times the index circuit breaker opened",
     "store_breaker_opened": "times the store circuit breaker opened",
     "loads_skipped": "hits not offered because the store breaker was open",
+    "hits_skipped_by_cost": "hits (or their tail) not loaded: restoring was expected slower",
+    "hit_tokens_skipped_by_cost": "tokens of those hits computed instead of restored",
+    "cost_probes": "hits whose first chunk loaded while the guard skipped all (rate re-measured)",
     "scheduler_us": "microseconds the connector spent on vLLM's scheduler thread",
     "hit_tokens": "prompt tokens offered to vLLM from kvcloud",
     "loaded_tokens": "tokens whose KV was loaded into vLLM blocks",

@@ -56,6 +56,7 @@ from typing import Any
 
 from ...client import KVCloud
 from ...namespace import Namespace
+from . import cost
 from .config import VLLMConnectorConfig
 from .expiring import Expiring
 from .lookups import Lookups, Pending, Plan
@@ -93,6 +94,7 @@ class SchedulerSide(Lookups):
         block_size: int,
         clock: Any = time.monotonic,
         sliding: bool = False,
+        drafter: bool = False,
     ) -> None:
         self.cfg = cfg
         self.ns = ns
@@ -101,6 +103,10 @@ class SchedulerSide(Lookups):
         # a sliding-window model: blocks behind the window are freed and reused, so only a
         # chunk's own step may read them (no backfill of older chunks)
         self.sliding = sliding
+        # an EAGLE/MTP drafter's KV at a position is computed from the token after it: at
+        # the last position of a chunk that token lies beyond the chunk's fingerprint (as
+        # vLLM drops the last block of its own prefix hit for EAGLE, for the same reason)
+        self.drafter = drafter
         self._clock = clock
         self._plans: dict[str, Plan] = {}
         self._pending: dict[str, Pending] = {}
@@ -121,6 +127,10 @@ class SchedulerSide(Lookups):
         # averages; None until one is measured): what load_mode=auto predicts from
         self._rate_in_step: float | None = None
         self._rate_beside: float | None = None
+        # tokens per second of the workers' forward passes (None until measured), and when
+        # a hit may next load its first chunk although the guard would skip it (cost.py)
+        self._prefill_rate: float | None = None
+        self._next_probe = 0.0
         # what is left of lookup_wait_ms in this scheduler step: vLLM asks about every
         # waiting request in one schedule() pass, so a burst of new requests against a slow
         # index would otherwise block the pass (and every running decode) N waits long
@@ -191,12 +201,41 @@ class SchedulerSide(Lookups):
         if usable == 0:
             return 0, False
         hit = min(usable * self.ns.chunk_tokens, last_block)
+        if self.drafter and hit % self.ns.chunk_tokens == 0:
+            hit -= self.block_size  # its last block's draft KV is recomputed (see __init__)
+        hit = self._paying(plan, num_computed_tokens, hit)
         external = hit - num_computed_tokens
         if external <= 0 or external < self.cfg.min_hit_tokens:
             return 0, False
         plan.local, plan.external = num_computed_tokens, external
         plan.sync = self._in_step(plan, hit)
         return external, not plan.sync
+
+    def _paying(self, plan: Plan, local: int, hit: int) -> int:
+        """The end of the part of the hit ``[local, hit)`` that restoring pays for
+        (cost.py): all of it until the rates are measured or with ``cost_margin`` 0."""
+        restore = self._rate_beside if self._rate_beside is not None else self._rate_in_step
+        if self.cfg.cost_margin <= 0 or self._prefill_rate is None or restore is None:
+            return hit
+        if hit <= local:
+            return hit
+        assert plan.match is not None
+        c = self.ns.chunk_tokens
+        sizes = [(ref.position, ref.entry.size) for ref in plan.match.chunks]
+        end = cost.paying_end(
+            local, hit, c, sizes, self._prefill_rate, restore, self.cfg.cost_margin
+        )
+        if end >= hit:
+            return hit
+        now = self._clock()
+        if end <= local and now >= self._next_probe:
+            # nothing pays: one hit now and then still loads a chunk, so a store that got
+            # faster is measured again (no restore runs otherwise)
+            self._next_probe = now + self.cfg.cost_reprobe_s
+            self.count(cost_probes=1)
+            return cost.first_chunk_end(local, hit, c)
+        self.count(hits_skipped_by_cost=1, hit_tokens_skipped_by_cost=hit - end)
+        return end
 
     def _in_step(self, plan: Plan, end: int) -> bool:
         """Whether the load runs in the step (vLLM is told ``load_async=False``). ``auto``:
@@ -501,8 +540,16 @@ class SchedulerSide(Lookups):
         # bytes over summed seconds: restores that ran at the same time each count their own
         # time, so the rate is what one restore gets, not the store's total (the safe side
         # for a budget that one restore must fit)
-        self._rate_in_step = _moved(self._rate_in_step, meta.in_step_bytes, meta.in_step_s)
-        self._rate_beside = _moved(self._rate_beside, meta.beside_bytes, meta.beside_s)
+        self._rate_in_step = cost.moved(self._rate_in_step, meta.in_step_bytes, meta.in_step_s)
+        self._rate_beside = cost.moved(self._rate_beside, meta.beside_bytes, meta.beside_s)
+        if meta.given_up_s:
+            # restores given up at their timeout: what they got in that time (cost.py)
+            gb, gs = meta.given_up_bytes, meta.given_up_s
+            self._rate_in_step = cost.capped(self._rate_in_step, gb, gs)
+            self._rate_beside = cost.capped(self._rate_beside, gb, gs)
+        if meta.in_step_bytes or meta.beside_bytes or meta.given_up_s:
+            self._next_probe = now + self.cfg.cost_reprobe_s  # measured: no probe needed
+        self._prefill_rate = cost.moved(self._prefill_rate, meta.pass_tokens, meta.pass_s)
 
     def request_finished(self, request: Any) -> None:
         rid = request.request_id
@@ -526,12 +573,3 @@ class SchedulerSide(Lookups):
 
     def shutdown(self) -> None:
         self._lookups.shutdown(wait=False, cancel_futures=True)
-
-
-def _moved(rate: float | None, nbytes: int, seconds: float) -> float | None:
-    """A moving average of bytes per second, a third of the way towards each new report
-    (one slow restore on a busy step does not flip every later decision)."""
-    if nbytes <= 0 or seconds <= 0:
-        return rate
-    now = nbytes / seconds
-    return now if rate is None else rate + (now - rate) / 3

@@ -58,6 +58,9 @@ class StepSpec:
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # tokens the step computes (vLLM's total_num_scheduled_tokens): with the pass's time,
+    # the prefill rate the cost guard compares restores with
+    tokens: int = 0
 
 
 @dataclass
@@ -67,7 +70,10 @@ class KVCloudWorkerMeta:
     whose pull failed or timed out (not to be offered for that many seconds), and the store's
     breaker (seconds until its next probe while open; ``store_ok`` once it closed again);
     and the bytes and seconds of the restores that ended, in the step and beside it, from
-    which ``load_mode=auto`` predicts how long the next one would stall a step."""
+    which ``load_mode=auto`` predicts how long the next one would stall a step; the tokens
+    and seconds of the forward passes timed (the prefill rate), and the bytes and seconds
+    of restores given up at their timeout (what the store delivered in the time they had).
+    Both feed the cost guard (cost.py)."""
 
     bad_objects: dict[str, float] = field(default_factory=dict)
     store_retry_in: float = 0.0
@@ -76,6 +82,10 @@ class KVCloudWorkerMeta:
     in_step_s: float = 0.0
     beside_bytes: int = 0
     beside_s: float = 0.0
+    pass_tokens: int = 0
+    pass_s: float = 0.0
+    given_up_bytes: int = 0
+    given_up_s: float = 0.0
 
     def aggregate(self, other: KVCloudWorkerMeta) -> KVCloudWorkerMeta:
         if isinstance(other, KVCloudWorkerMeta):
@@ -86,4 +96,8 @@ class KVCloudWorkerMeta:
             self.in_step_s += other.in_step_s
             self.beside_bytes += other.beside_bytes
             self.beside_s += other.beside_s
+            self.pass_tokens += other.pass_tokens
+            self.pass_s += other.pass_s
+            self.given_up_bytes += other.given_up_bytes
+            self.given_up_s += other.given_up_s
         return self

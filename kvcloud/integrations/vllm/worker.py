@@ -35,9 +35,10 @@ from ...errors import ConfigError, KVCloudError, LayoutError
 from ...namespace import Namespace
 from .._torch import to_numpy
 from .config import VLLMConnectorConfig
-from .device import Streams
+from .device import PassClock, Streams
+from .keys import drafter_layers
 from .layout import BlockLayout, block_index, learn_layout
-from .loads import TORCH_DTYPES, Load, Restores
+from .loads import FP8_FORMATS, TORCH_DTYPES, Load, Restores
 from .shard import Shard, shard_of
 from .specs import NULL_BLOCK, KVCloudWorkerMeta, SaveChunk, SaveSpec
 from .uploader import Uploader
@@ -118,6 +119,8 @@ class WorkerSide(Restores):
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.block_size = int(vllm_config.cache_config.block_size)
+        # an EAGLE/MTP drafter's layers are saved with the target's (keys.drafter_layers)
+        self.drafter = drafter_layers(vllm_config, kv_cache_config) > 0
         super().__init__(cfg, clock)  # the restore machinery's state (loads.py)
         # a full CUDA graph may replay a step: restores in the step are then whole before
         # start_load_kv returns (no per-layer wait runs); a test may set it
@@ -155,6 +158,7 @@ class WorkerSide(Restores):
             cfg.upload_queue,
             alloc=lambda shape, dtype: self.streams.host_empty(shape, dtype),
         )
+        self._passes = PassClock()  # forward passes timed for the prefill rate
         self._store_reported_open = False  # to the scheduler side
         self._store_gauge = 0  # last value of the store_breaker_open gauge reported
 
@@ -168,12 +172,16 @@ class WorkerSide(Restores):
         from vllm.model_executor.models.utils import extract_layer_index
 
         names = sorted(kv_caches, key=extract_layer_index)
+        if len({extract_layer_index(n) for n in names}) != len(names):
+            # (a separate draft model numbers its layers from 0 again: no order to store in)
+            raise ConfigError(f"vLLM's KV cache layers share layer indices: {names}")
         if len(names) != self.num_layers:
             raise ConfigError(
                 f"vLLM registered {len(names)} KV cache layers; the model config says "
                 f"{self.num_layers} for this rank"
             )
         want = TORCH_DTYPES[self.ns.dtype]
+        fp8 = FP8_FORMATS.get(self.ns.dtype)
         context = self.vllm_config.compilation_config.static_forward_context
         num_blocks = int(self.kv_cache_config.num_blocks)
         learned: dict[tuple[Any, ...], BlockLayout] = {}
@@ -192,6 +200,9 @@ class WorkerSide(Restores):
                     self.block_size,
                     self.shard.num_heads,
                     self.ns.head_dim,
+                    fp8=fp8,
+                    # (an fp8 cache's op takes the model's dtype and quantizes it)
+                    probe_dtype=self.vllm_config.model_config.dtype if fp8 else cache.dtype,
                 )
             self.caches[name] = cache
             self.layer_index[name] = i
@@ -207,6 +218,16 @@ class WorkerSide(Restores):
         )
 
     # -- loads ------------------------------------------------------------------------------
+
+    def pass_begins(self, meta: KVCloudConnectorMetadata) -> None:
+        """Before the forward pass: time it (to ``wait_for_save``) if it is a prefill's,
+        at least a chunk of tokens, none restored in it (a restore in the step would count
+        as compute time): the prefill rate the scheduler's cost guard uses."""
+        has_restore = any(spec.sync and spec.chunks for spec in meta.loads)
+        if meta.tokens >= self.ns.chunk_tokens and not has_restore:
+            self._passes.begin(self.streams, meta.tokens)
+        else:
+            self._passes.cancel()
 
     def start_load_kv(self, meta: KVCloudConnectorMetadata) -> None:
         """Start this step's restores, and note its saves (copied in ``wait_for_save``).
@@ -295,7 +316,8 @@ class WorkerSide(Restores):
         returns before it ever runs: the step's saves are copied here, while their blocks
         still hold this step's KV (by the next step a finished request's blocks may be
         someone else's)."""
-        if self._pending_saves:
+        if self._pending_saves and not self.drafter:
+            # (with a drafter's KV layers, wait_for_save runs after the drafter wrote them)
             chunks = sum(len(spec.chunks) for spec in self._pending_saves)
             try:
                 self.wait_for_save()
@@ -334,11 +356,13 @@ class WorkerSide(Restores):
         with self._meta_lock:
             bad, self._new_bad = self._new_bad, {}
             (in_bytes, in_s), (beside_bytes, beside_s) = self._in_step.take(), self._beside.take()
+            given_up_bytes, given_up_s = self._given_up.take()
+        pass_tokens, pass_s = self._passes.take()
         retry_in = self.store_breaker.retry_in()
         is_open = self.store_breaker.is_open
         changed = is_open != self._store_reported_open
         self._store_reported_open = is_open
-        if not bad and not changed and not in_bytes and not beside_bytes:
+        if not (bad or changed or in_bytes or beside_bytes or given_up_s or pass_tokens):
             return None
         return KVCloudWorkerMeta(
             bad_objects=bad,
@@ -348,6 +372,10 @@ class WorkerSide(Restores):
             in_step_s=in_s,
             beside_bytes=beside_bytes,
             beside_s=beside_s,
+            pass_tokens=pass_tokens,
+            pass_s=pass_s,
+            given_up_bytes=given_up_bytes,
+            given_up_s=given_up_s,
         )
 
     # -- saves ------------------------------------------------------------------------------
@@ -372,6 +400,7 @@ class WorkerSide(Restores):
         save stream, after the pass's kernels; later kernels wait for the copies), and offer
         it to the uploader, which waits for the copy before reading it. A chunk that cannot
         be copied whole is counted as ``saves_skipped``, never offered."""
+        self._passes.end()  # (before the copies: they are kvcloud's time, not the pass's)
         saves, self._pending_saves = self._pending_saves, []
         if self.uploader is None or not saves:
             return
