@@ -11,6 +11,9 @@ the same prompts one by one (``max_tokens=1``; vLLM's own prefix cache reset bef
 request, so a hit can only come from kvcloud):
 
 - ``fast``: the proxy forwards at full speed: restoring wins;
+- ``miss``: prompts never stored, store fast: the connector's own cost on a request it
+  computes (the lookup, the copies of the chunks it saves in that step), the floor of what
+  the guard can reach when it computes;
 - ``throttled``: the proxy delivers the store's answers at ``--throttle-mbps`` MB/s:
   restoring loses. The guarded server's first request still loads (its restore rate says
   the store is fast), runs into its timeout (``load_timeout``; 200 ms for a restore
@@ -47,6 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from scripts.fault_proxy import FaultProxy
 from scripts.vllm_fleet import VLLMServer, kvcloud_transfer_config, settled, wait_stored
 
+# phase: the proxy's mode. "miss": prompts never stored, the store fast: what the connector
+# costs a request it computes (its lookup, and the step's copies of the chunks it saves)
+PHASES = {"fast": "pass", "throttled": "throttle", "miss": "pass"}
 COUNTERS = (
     "hits_skipped_by_cost",
     "hit_tokens_skipped_by_cost",
@@ -112,16 +118,16 @@ def main() -> None:
                 s.complete(tokens(a.tokens + 16, seed=100 + i), max_tokens=1)
         prompts = {
             phase: [tokens(a.tokens + 16, seed=1000 * k + i) for i in range(a.requests)]
-            for k, phase in enumerate(("fast", "throttled"), start=1)
+            for k, phase in enumerate(PHASES, start=1)
         }
         store_env = {k: v for k, v in env.items() if k.startswith(("KVCLOUD_", "AWS_"))}
-        for phase_prompts in prompts.values():
+        for phase_prompts in (prompts["fast"], prompts["throttled"]):  # "miss": never stored
             for p in phase_prompts:  # stored by the unguarded server
                 servers["no guard"].complete(p, max_tokens=1)
             for p in phase_prompts:
                 assert wait_stored(store_env, p) == a.tokens // 256, "not stored"
         settled(connected, timeout=300)
-        for phase, mode in (("fast", "pass"), ("throttled", "throttle")):
+        for phase, mode in PHASES.items():
             proxy.set_mode(mode)
             before = {n: s.metrics() for n, s in servers.items() if n != "plain"}
             ttft: dict[str, list[float]] = {n: [] for n in servers}
@@ -154,7 +160,7 @@ def main() -> None:
         moto.stop()
     rows = ["| phase | plain TTFT (s) | guard | no guard | guard ÷ plain | no guard ÷ plain "
             "| guard's counters |", "|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
-    for phase in ("fast", "throttled"):
+    for phase in PHASES:
         r = results[phase]
         m, v = r["median_s"], r["vs_plain"]
         c = ", ".join(f"{k} {int(x)}" for k, x in r["counters"]["guard"].items() if x) or "–"

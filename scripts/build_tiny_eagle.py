@@ -4,11 +4,11 @@ EAGLE's draft model is one Llama decoder layer on top of ``fc([embedding of toke
 target hidden state at t])`` (vLLM's ``EagleLlamaForCausalLM``, ``llama_eagle.py``), sharing
 the target's embeddings and LM head. A trained head is not installable here, so this one is
 built from SmolLM2 itself, deterministically: ``fc`` passes the next token's embedding
-through, whitened (its hidden-state half small and seeded random), and the decoder layer is a copy of
-SmolLM2's first layer with its outputs scaled down (``OUT_SCALE``). Its proposals are then
-mostly "the same token again", right often enough on a small model's repetitive answers for
-vLLM's acceptance counters to move, and its attention reads the draft layer's KV over the
-whole context.
+through, whitened (its hidden-state half small and seeded random), and the decoder layer
+is a copy of SmolLM2's first layer with its outputs scaled down (``OUT_SCALE``). Its
+proposals are then mostly "the same token again", right often enough on a small model's
+repetitive answers for vLLM's acceptance counters to move (about a third of them), and its
+attention reads the draft layer's KV over the whole context.
 """
 
 from __future__ import annotations

@@ -114,6 +114,28 @@ def test_the_scheduler_loads_only_what_pays(stored: tuple[KVCloud, list[int]]) -
     assert stats["hits_skipped_by_cost"] == 1 and stats["hit_tokens_skipped_by_cost"] == 8
 
 
+def test_a_store_that_delivered_nothing_is_probed_beside_the_pass(
+    stored: tuple[KVCloud, list[int]],  # noqa: F811
+) -> None:
+    """A restore given up with nothing received caps the rate at 0: nothing pays, and the
+    probe (load_mode=auto) runs beside the pass, never priced by dividing by that 0."""
+    kvc, tokens = stored
+    clock = _Clock()
+    s = side(kvc, load_mode="auto")
+    s._clock = clock
+    report(s, pass_tokens=1000, pass_s=1.0)
+    report(s, beside_bytes=1 << 20, beside_s=0.01, in_step_bytes=1 << 20, in_step_s=0.01)
+    report(s, given_up_bytes=0, given_up_s=2.0)
+    req = request("z", tokens)
+    s.on_new_request(req)
+    assert ask(s, req) == 0
+    clock.t += 61
+    req = request("z2", tokens)
+    s.on_new_request(req)
+    assert ask(s, req) == C  # the probe, asynchronous
+    assert s.take_stats()["cost_probes"] == 1
+
+
 def test_margin_zero_turns_the_guard_off(stored: tuple[KVCloud, list[int]]) -> None:  # noqa: F811
     kvc, tokens = stored
     s = side(kvc, cost_margin=0, load_mode="async")
@@ -144,6 +166,15 @@ def test_the_worker_times_prefill_passes_only(tmp_path: Path) -> None:
     ws.pass_begins(SimpleNamespace(**vars(step_meta(spec)), tokens=64))  # type: ignore[arg-type]
     ws.wait_for_save()
     assert ws.build_worker_meta() is None  # a restore in it
+    # the timer stops where the pass's work is issued (V1: start_load_kv after the pass;
+    # V2: finish_forward), not at wait_for_save after sampling and a drafter's pass
+    ws.pass_begins(SimpleNamespace(**vars(step_meta()), tokens=32))  # type: ignore[arg-type]
+    time.sleep(0.02)
+    ws.start_load_kv(step_meta())  # type: ignore[arg-type]
+    time.sleep(0.3)  # sampling, the drafter
+    ws.wait_for_save()
+    meta = ws.build_worker_meta()
+    assert meta is not None and 0.02 <= meta.pass_s < 0.3
     # two ranks' reports add up
     total = KVCloudWorkerMeta(pass_tokens=32, pass_s=0.5).aggregate(
         KVCloudWorkerMeta(pass_tokens=32, pass_s=0.5, given_up_bytes=7, given_up_s=2.0)

@@ -178,7 +178,7 @@ def test_an_eagle_drafter_is_stored_with_the_target_and_named_in_the_namespace(
     stored in the same chunks (the namespace counts them), under a namespace naming the
     drafter (method and checkpoint digest); a separate draft model, and a drafter under
     pipeline parallelism, are refused at start."""
-    from kvcloud.integrations.vllm.keys import drafter_layers
+    from kvcloud.integrations.vllm.drafters import drafter_layers
 
     cfg = VLLMConnectorConfig(weights_digest="sha256-x")
     layers = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -202,7 +202,11 @@ def test_an_eagle_drafter_is_stored_with_the_target_and_named_in_the_namespace(
             uses_draft_kv_cache=lambda: True,
             use_eagle=lambda: True,
             draft_model_config=SimpleNamespace(
-                model=str(head), revision=None, get_total_num_hidden_layers=lambda: 1
+                model=str(head),
+                revision=None,
+                get_total_num_hidden_layers=lambda: 1,
+                get_total_num_kv_heads=lambda: 2,  # the target's shape (_vllm_config)
+                get_head_size=lambda: 8,
             ),
         )
 
@@ -216,11 +220,16 @@ def test_an_eagle_drafter_is_stored_with_the_target_and_named_in_the_namespace(
     assert vllm_namespace(vc, cfg, groups).id != drafted.id
     vc.speculative_config = eagle("eagle3")
     assert vllm_namespace(vc, cfg, groups).id != drafted.id
-    # a separate draft model numbers its layers from 0 again
-    vc.speculative_config = SimpleNamespace(
-        method="draft_model", uses_draft_kv_cache=lambda: True, use_eagle=lambda: False
-    )
-    with pytest.raises(ConfigError, match="not of a separate draft model"):
+    # a separate draft model numbers its layers from 0 again; dflash and dspark, which
+    # vLLM counts as EAGLE-like, are not causal or not numbered after the target
+    for other in ("draft_model", "dflash", "dspark"):
+        vc.speculative_config = eagle(other)
+        with pytest.raises(ConfigError, match="not of a separate draft model"):
+            check_supported(vc, groups)
+    # a drafter whose KV heads differ from the target's
+    vc.speculative_config = eagle()
+    vc.speculative_config.draft_model_config.get_head_size = lambda: 16
+    with pytest.raises(ConfigError, match="another shape"):
         check_supported(vc, groups)
     vc.speculative_config = eagle()
     vc.parallel_config.pipeline_parallel_size = 2

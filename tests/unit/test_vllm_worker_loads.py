@@ -874,7 +874,7 @@ def test_with_a_drafter_the_save_waits_for_its_kv(tmp_path: Path) -> None:
     layout = ws.layouts[last]
     ws.start_load_kv(
         meta(saves=[SaveSpec("r1", "default", [SaveChunk(0, fps[0], ns.digest, SAVE_IDS[0])])])
-    )  # type: ignore[arg-type]  # noqa: E501
+    )  # type: ignore[arg-type]
     ws.get_finished(set())
     ws.get_block_ids_with_load_errors()
     # the drafter runs now, writing its layer's KV for the chunk's tokens

@@ -23,7 +23,8 @@ from ...client import KVCloud
 from ...errors import ConfigError, KVCloudError
 from ...namespace import Namespace
 from .config import VLLMConnectorConfig
-from .keys import check_supported, drafter_layers, sliding_window, vllm_namespace
+from .drafters import drafter_cuts_last_block
+from .keys import check_supported, sliding_window, vllm_namespace
 from .metadata import (
     GAUGES,
     KVCloudConnectorMetadata,
@@ -168,7 +169,7 @@ class KVCloudConnector(KVConnectorBase_V1):
                 client,
                 block_size,
                 sliding=sliding_window(kv_cache_config) is not None,
-                drafter=drafter_layers(vllm_config, kv_cache_config) > 0,
+                drafter=drafter_cuts_last_block(vllm_config),
             )
         else:
             self._worker = WorkerSide(
@@ -228,6 +229,12 @@ class KVCloudConnector(KVConnectorBase_V1):
                 self._worker.pass_begins(connector_metadata)
             except Exception as exc:
                 self._failed("timing this step", exc)
+
+    def finish_forward(self) -> None:
+        # vLLM's V2 runner: the pass's kernels are queued (its start_load_kv and
+        # wait_for_save come after sampling and the drafter): the pass is timed to here
+        if self._worker is not None:
+            self._worker.pass_ends()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata

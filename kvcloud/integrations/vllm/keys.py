@@ -23,58 +23,13 @@ from typing import Any
 from ...errors import ConfigError
 from ...namespace import Namespace
 from .._torch import dtype_name
+from .checkpoints import checkpoint_digest, hub_snapshot
 from .config import VLLMConnectorConfig
+from .drafters import check_drafter, drafter_digest, drafter_layers
 from .versions import SLEEP_MODE_REASON
 
 LAYOUT_VERSION = "vllm-kv-v1"
 _DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
-
-
-def _digest_files(folder: Path) -> str:
-    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
-    if not files:
-        raise ConfigError(f"{folder}: no weight files (*.safetensors, *.bin) to pin the namespace")
-    config = folder / "config.json"
-    h = hashlib.sha256()
-    for f in [*files, *([config] if config.is_file() else [])]:
-        h.update(f.name.encode() + b"\0")
-        with open(f, "rb") as fh:
-            h.update(hashlib.file_digest(fh, "sha256").digest())
-    return "sha256-" + h.hexdigest()
-
-
-def _hub_snapshot(model: str, revision: str | None) -> Path | None:
-    """The local snapshot folder vLLM loads a hub model from (its name is the commit)."""
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        return None
-    try:
-        return Path(snapshot_download(model, revision=revision, local_files_only=True))
-    except Exception:  # not downloaded (yet), or not a hub id: the caller says what to do
-        return None
-
-
-def checkpoint_digest(model: str, revision: str | None = None) -> str:
-    """SHA-256 over a checkpoint's weight files and config.json (names and bytes).
-
-    A local folder is read as it is. A hub id is resolved to the snapshot vLLM loads (the
-    revision — a branch such as ``main`` moves — is resolved to its commit by the local hub
-    cache) and that snapshot's files are digested, so a branch that moved to other weights
-    is another namespace. A hub model with no local snapshot cannot be pinned: set
-    ``weights_digest``.
-    """
-    path = Path(model)
-    if path.is_dir():
-        return _digest_files(path)
-    snapshot = _hub_snapshot(model, revision)
-    if snapshot is None:
-        raise ConfigError(
-            f"{model}@{revision or 'main'}: no local snapshot of this hub model to pin the "
-            "namespace to (a branch name moves); download it first, or set "
-            "kv_connector_extra_config.weights_digest (KVCLOUD_WEIGHTS_DIGEST)"
-        )
-    return _digest_files(snapshot)
 
 
 def _fp8_e4m3_name() -> str:
@@ -126,43 +81,6 @@ def kv_dtype_name(vllm_config: Any) -> str:
     return name
 
 
-def drafter_layers(vllm_config: Any, kv_cache_config: Any = None) -> int:
-    """KV layers a speculative drafter adds to vLLM's cache (EAGLE's draft layer, MTP's
-    layers): 0 without one. vLLM names them after the target's (EAGLE's first is
-    ``model.layers.<target layers>``), in the one cache group; counted from that group's
-    layer names, else from the draft model's config."""
-    spec = getattr(vllm_config, "speculative_config", None)
-    if spec is None or not _draft_kv(spec):
-        return 0
-    target = int(vllm_config.model_config.get_total_num_hidden_layers())
-    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    if groups and getattr(groups[0], "layer_names", None):
-        return max(0, len(groups[0].layer_names) - target)
-    draft = getattr(spec, "draft_model_config", None)
-    return int(draft.get_total_num_hidden_layers()) if draft is not None else 1
-
-
-def _drafter_digest(vllm_config: Any) -> str:
-    """What pins a drafter's KV: its method and its checkpoint (an MTP head inside the
-    target's own checkpoint is pinned by the target's digest)."""
-    spec = vllm_config.speculative_config
-    method = str(getattr(spec, "method", "") or "")
-    draft = getattr(spec, "draft_model_config", None)
-    model = str(getattr(draft, "model", "") or "")
-    if not model or model == str(vllm_config.model_config.model):
-        return method
-    return f"{method}:{checkpoint_digest(model, getattr(draft, 'revision', None))}"
-
-
-def _draft_kv(spec: Any) -> bool:
-    """Does the speculative method bring KV layers of its own (EAGLE, MTP, a draft model)?
-    vLLM answers it (``uses_draft_kv_cache``); ngram and suffix decoding have none."""
-    probe = getattr(spec, "uses_draft_kv_cache", None)
-    if callable(probe):
-        return bool(probe())
-    return str(getattr(spec, "method", "")) not in ("ngram", "ngram_gpu", "suffix")
-
-
 def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
     """Refuse, at start, what the connector would get wrong."""
     if getattr(vllm_config.model_config, "enable_sleep_mode", False):
@@ -183,21 +101,7 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
             "(vLLM's own ExampleConnector too; docs/VLLM.md), so the kvcloud connector "
             "restores MLA caches only where vLLM's prefix caching is on for them"
         )
-    spec = getattr(vllm_config, "speculative_config", None)
-    method = str(getattr(spec, "method", "") or "") if spec is not None else ""
-    if spec is not None and _draft_kv(spec):
-        eagle = getattr(spec, "use_eagle", None)
-        if not (callable(eagle) and eagle()):
-            raise ConfigError(
-                f"speculative decoding with {method}: the kvcloud connector stores the KV "
-                "of EAGLE, EAGLE-3 and MTP drafters (their layers follow the target's), "
-                "not of a separate draft model; use one of those or ngram/suffix decoding"
-            )
-        if int(getattr(pc, "pipeline_parallel_size", 1) or 1) > 1:
-            raise ConfigError(
-                f"speculative decoding ({method}) with pipeline parallelism: the drafter's "
-                "layers live on the last stage only; the kvcloud connector does not split them"
-            )
+    check_drafter(vllm_config)
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     if any(_is_state(getattr(g, "kv_cache_spec", None)) for g in groups):
         raise ConfigError(MAMBA_REASON)
@@ -390,7 +294,7 @@ def _checkpoint_text_config(mc: Any) -> dict[str, Any] | None:
     source = str(getattr(mc, "hf_config_path", None) or mc.model)
     folder: Path | None = Path(source)
     if not folder.is_dir():
-        folder = _hub_snapshot(source, getattr(mc, "revision", None))
+        folder = hub_snapshot(source, getattr(mc, "revision", None))
     if folder is None or not (folder / "config.json").is_file():
         return None
     try:
@@ -498,7 +402,7 @@ def vllm_namespace(
         # a drafter's layers are stored after the target's, in the same chunk: its KV must
         # come back with the target's (a restore without it changes the proposals), and
         # another drafter's KV is another namespace
-        extra["drafter"] = _drafter_digest(vllm_config)
+        extra["drafter"] = drafter_digest(vllm_config)
     return Namespace(
         model=f"vllm/{getattr(hf, 'model_type', 'unknown')}",
         # the whole model's layers, whatever the pipeline split: every PP size shares;

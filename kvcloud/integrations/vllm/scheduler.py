@@ -201,8 +201,10 @@ class SchedulerSide(Lookups):
         if usable == 0:
             return 0, False
         hit = min(usable * self.ns.chunk_tokens, last_block)
-        if self.drafter and hit % self.ns.chunk_tokens == 0:
-            hit -= self.block_size  # its last block's draft KV is recomputed (see __init__)
+        if self.drafter and hit == usable * self.ns.chunk_tokens:
+            # the hit ends where the stored chunks do: the token after it is not under any
+            # chunk's key, so its last block's draft KV is recomputed (see __init__)
+            hit -= self.block_size
         hit = self._paying(plan, num_computed_tokens, hit)
         external = hit - num_computed_tokens
         if external <= 0 or external < self.cfg.min_hit_tokens:
@@ -251,6 +253,8 @@ class SchedulerSide(Lookups):
         elif self._rate_beside is not None:
             rate = 2 * self._rate_beside
         else:
+            return False
+        if rate <= 0:  # a store that delivered nothing in its last restore (cost.capped)
             return False
         pulled = sum(ref.entry.size for ref in self._pulled(plan, end))
         return 1000 * pulled / rate <= self.cfg.sync_budget_ms

@@ -36,7 +36,7 @@ from ...namespace import Namespace
 from .._torch import to_numpy
 from .config import VLLMConnectorConfig
 from .device import PassClock, Streams
-from .keys import drafter_layers
+from .drafters import drafter_layers
 from .layout import BlockLayout, block_index, learn_layout
 from .loads import FP8_FORMATS, TORCH_DTYPES, Load, Restores
 from .shard import Shard, shard_of
@@ -229,12 +229,21 @@ class WorkerSide(Restores):
         else:
             self._passes.cancel()
 
+    def pass_ends(self) -> None:
+        """The forward pass's work is issued (V1: ``start_load_kv`` after the pass; V2:
+        ``finish_forward``; else ``wait_for_save``): its timer stops here, before sampling
+        and a drafter's pass, which are not prefill."""
+        self._passes.end()
+
     def start_load_kv(self, meta: KVCloudConnectorMetadata) -> None:
         """Start this step's restores, and note its saves (copied in ``wait_for_save``).
         Where a full CUDA graph may replay the pass (``full_graphs``), no
         ``wait_for_layer_load`` runs in it: every restore in the step is then written (or
         given up at its deadline) before this returns, and on a GPU the engine's stream
         waits for the writes."""
+        # V1 calls this right after the pass in a step with no restore in it (the steps the
+        # pass timer times); a step with one calls it before the pass, untimed
+        self.pass_ends()
         self._take_saves(meta)
         if self._stepping:  # a step that was never finished (not vLLM's order): settle it
             self._settle_stepping()
