@@ -46,13 +46,16 @@ def paying_end(
     if restore_rate <= 0:
         return local
     c = chunk_tokens
-    ends = [e for e in range((local // c + 1) * c, hit, c)] + [hit]
-    best = local
+    # (on vLLM's scheduler thread, once per hit: one pass over the chunks, the bytes a load
+    # pulls growing as its end moves right, not a sum per end)
+    overlapping = sorted((pos, size) for pos, size in chunks if (pos + 1) * c > local)
+    ends = [*range((local // c + 1) * c, hit, c), hit]
+    best, pulled, i = local, 0, 0
     for end in ends:
-        if end <= local:
-            continue
-        pulled = sum(size for pos, size in chunks if pos * c < end and (pos + 1) * c > local)
-        if margin * pulled / restore_rate <= (end - local) / prefill_rate:
+        while i < len(overlapping) and overlapping[i][0] * c < end:
+            pulled += overlapping[i][1]
+            i += 1
+        if end > local and margin * pulled / restore_rate <= (end - local) / prefill_rate:
             best = end
     return best
 
