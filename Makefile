@@ -14,6 +14,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 SMOLLM2 := .cache/models/SmolLM2-135M-Instruct
 LORA := .cache/models/smollm2-lora-r8
 EAGLE := .cache/models/smollm2-eagle
+SLIDING := .cache/models/tiny-sliding
 # LMCache (the load benchmark's comparison) in a virtualenv of its own: its pins on protobuf,
 # numpy, opentelemetry and prometheus_client conflict with vLLM's, and vLLM's newer ones work
 LMCACHE_VENV := .venv-lmcache
@@ -59,7 +60,12 @@ $(LORA)/adapter_config.json: $(SMOLLM2)/config.json scripts/build_lora.py
 $(EAGLE)/config.json: $(SMOLLM2)/config.json scripts/build_tiny_eagle.py
 	$(BIN)/python scripts/build_tiny_eagle.py --base $(SMOLLM2) --out $(EAGLE)
 
-install-vllm: $(VLLM_STAMP) $(SMOLLM2)/config.json $(LORA)/adapter_config.json $(EAGLE)/config.json
+# a seeded random tiny Llama whose layers alternate sliding-window and full attention, for the
+# hybrid-allocator tests (two KV cache groups)
+$(SLIDING)/config.json: $(SMOLLM2)/config.json scripts/build_tiny_sliding.py
+	$(BIN)/python scripts/build_tiny_sliding.py $(SLIDING)
+
+install-vllm: $(VLLM_STAMP) $(SMOLLM2)/config.json $(LORA)/adapter_config.json $(EAGLE)/config.json $(SLIDING)/config.json
 
 $(LMCACHE_STAMP):
 	test -x $(LMCACHE_VENV)/bin/python || $(PY) -m venv $(LMCACHE_VENV)

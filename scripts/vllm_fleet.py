@@ -33,6 +33,8 @@ SMOLLM2 = Path(
 LORA = Path(os.environ.get("KVCLOUD_LORA", ROOT / ".cache" / "models" / "smollm2-lora-r8"))
 # an EAGLE draft head for SmolLM2 (scripts/build_tiny_eagle.py, make install-vllm)
 EAGLE = Path(os.environ.get("KVCLOUD_EAGLE", ROOT / ".cache" / "models" / "smollm2-eagle"))
+# a tiny Llama alternating sliding-window and full layers (scripts/build_tiny_sliding.py)
+SLIDING = Path(os.environ.get("KVCLOUD_SLIDING", ROOT / ".cache" / "models" / "tiny-sliding"))
 CACHE = ROOT / ".cache" / "vllm"
 
 

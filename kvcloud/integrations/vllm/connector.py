@@ -17,6 +17,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from ...client import KVCloud
@@ -24,7 +26,7 @@ from ...errors import ConfigError, KVCloudError
 from ...namespace import Namespace
 from .config import VLLMConnectorConfig
 from .drafters import drafter_cuts_last_block
-from .keys import check_supported, sliding_window, vllm_namespace
+from .keys import check_supported, group_windows, vllm_namespace
 from .metadata import (
     GAUGES,
     KVCloudConnectorMetadata,
@@ -108,8 +110,16 @@ class KVCloudConnectorError(KVCloudError, RuntimeError):
     """The connector cannot start (bad settings, unsupported model or cache)."""
 
 
-class KVCloudConnector(KVConnectorBase_V1):
-    """Shares vLLM's prompt KV across processes and machines through kvcloud."""
+class KVCloudConnector(KVConnectorBase_V1, SupportsHMA):
+    """Shares vLLM's prompt KV across processes and machines through kvcloud.
+
+    ``SupportsHMA``: vLLM keeps its hybrid KV cache allocator on with this connector, so a
+    model with sliding-window layers beside full ones (Gemma 2/3, gpt-oss, Llama-style
+    ``layer_types``) has a KV cache group per kind of layer, and a sliding group's blocks
+    behind the window go back to the pool. Every chunk object still holds every layer: a
+    chunk is saved only while every group holds all of it, and a restore writes each group's
+    blocks (a sliding group's inside its window only); vLLM hears of a failed restore of such
+    a model as the whole request failed, never as a partial one."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -151,6 +161,7 @@ class KVCloudConnector(KVConnectorBase_V1):
             raise KVCloudConnectorError(msg) from None
         self.ns = ns
         self.client = client
+        windows = group_windows(kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             if int(getattr(vllm_config, "shutdown_timeout", 0) or 0) == 0:
                 # vLLM's API server with --shutdown-timeout 0 (its default) kills the engine
@@ -168,7 +179,7 @@ class KVCloudConnector(KVConnectorBase_V1):
                 ns,
                 client,
                 block_size,
-                sliding=sliding_window(kv_cache_config) is not None,
+                windows=windows,
                 drafter=drafter_cuts_last_block(vllm_config),
             )
         else:
@@ -196,6 +207,14 @@ class KVCloudConnector(KVConnectorBase_V1):
             ns.chunk_tokens,
             cfg.write_policy,
         )
+        if len(windows) > 1 or any(windows):
+            log.info(
+                "kvcloud connector: %d KV cache groups (%s), vLLM's hybrid allocator on: "
+                "a chunk is stored whole in every group, a sliding group restored inside its "
+                "window, restores run beside the pass",
+                len(windows),
+                ", ".join("full" if w is None else f"sliding {w}" for w in windows),
+            )
 
     # -- worker side ------------------------------------------------------------------------
 
@@ -280,6 +299,22 @@ class KVCloudConnector(KVConnectorBase_V1):
         except Exception as exc:  # a bug here must not kill the engine; loads stay pending
             self._failed("checking finished restores", exc)
             return None, None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # several KV cache groups: a failed restore is reported as its request failed
+        # (vLLM recomputes it whole); a block id names no group (vLLM raises on them)
+        sending, recving = self.get_finished(finished_req_ids)
+        failed: set[str] = set()
+        if self._worker is not None:
+            try:
+                failed = self._worker.take_failed_requests()
+            except Exception as exc:
+                self._failed("reporting failed restores", exc)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()) | failed,
+            failed_recving=failed,
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._worker is None:
@@ -390,6 +425,12 @@ class KVCloudConnector(KVConnectorBase_V1):
             except Exception as exc:
                 self._failed(f"forgetting {request.request_id}", exc)
         return False, None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # (SupportsHMA) saves are copied in the step that computes them: nothing to hold
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     @property
     def requires_kv_delivery(self) -> bool:

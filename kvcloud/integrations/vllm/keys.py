@@ -105,10 +105,12 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     if any(_is_state(getattr(g, "kv_cache_spec", None)) for g in groups):
         raise ConfigError(MAMBA_REASON)
-    if len(groups) > 1:
+    group_windows(kv_cache_config)  # (refuses a kind of layer it cannot store)
+    if len(groups) > 1 and drafter_layers(vllm_config, None):
         raise ConfigError(
-            f"the model has {len(groups)} KV cache groups (hybrid or sliding-window layers); "
-            "the kvcloud connector supports one group of full-attention layers"
+            "speculative decoding with a drafter on a model with several KV cache groups "
+            "(vLLM's hybrid allocator): the kvcloud connector stores a drafter's layers in "
+            "one group only; set --disable-hybrid-kv-cache-manager or serve without it"
         )
 
 
@@ -152,19 +154,50 @@ def mla_dims(mc: Any) -> tuple[int, int] | None:
     return lora, rope
 
 
-def sliding_window(kv_cache_config: Any) -> int | None:
-    """The window of the one KV cache group when its layers slide (their blocks out of the
-    window become vLLM's shared null block), else None."""
+# kinds of KV cache group whose blocks hold every token's KV until the request ends
+_WHOLE = ("FullAttentionSpec", "MLAAttentionSpec", "UniformTypeKVCacheSpecs")
+# kinds that free or reuse blocks under a request in ways the connector does not follow
+_REUSED = (
+    "ChunkedLocalAttentionSpec", "RSWASpec", "CircularBufferSpec", "SlidingWindowMLASpec",
+    "HiSparseHotSpec", "HiSparseResidentSpec", "CrossAttentionSpec",
+)  # fmt: skip
+
+
+def group_windows(kv_cache_config: Any) -> list[int | None]:
+    """Per KV cache group (vLLM's hybrid allocator makes one per kind of layer): its sliding
+    window, whose blocks behind it become vLLM's shared null block, or None where every
+    block is kept. A ConfigError for a kind the connector would store wrong."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    if not groups:
-        return None
-    spec = groups[0].kv_cache_spec
-    # only vLLM's SlidingWindowSpec frees blocks behind the window: other specs may carry
-    # a sliding_window attribute (chunked local attention's is its chunk) without doing so
-    if not any(cls.__name__ == "SlidingWindowSpec" for cls in type(spec).__mro__):
-        return None
-    window = getattr(spec, "sliding_window", None)
-    return int(window) if window else None
+    windows: list[int | None] = []
+    for g in groups:
+        spec = getattr(g, "kv_cache_spec", None)
+        kind = type(spec).__name__
+        # only vLLM's SlidingWindowSpec frees blocks behind the window: FullAttentionSpec
+        # keeps a sliding_window attribute when the hybrid allocator is off, and keeps
+        # every block
+        if kind == "SlidingWindowSpec" and getattr(spec, "sliding_window", None):
+            windows.append(int(spec.sliding_window))
+        elif kind in _REUSED or (len(groups) > 1 and kind not in _WHOLE):
+            raise ConfigError(
+                f"a KV cache group of {kind} layers ({len(groups)} groups): the kvcloud "
+                "connector stores full and sliding-window attention only"
+            )
+        else:
+            windows.append(None)
+    sizes = {getattr(getattr(g, "kv_cache_spec", None), "block_size", None) for g in groups}
+    if len(sizes) > 1:
+        raise ConfigError(
+            "KV cache groups with different block sizes: the kvcloud connector stores a "
+            "chunk as whole blocks of one size in every group"
+        )
+    return windows
+
+
+def sliding_window(kv_cache_config: Any) -> int | None:
+    """The smallest window of the model's sliding KV cache groups (their blocks out of the
+    window become vLLM's shared null block), None when no group slides."""
+    windows = [w for w in group_windows(kv_cache_config) if w is not None]
+    return min(windows) if windows else None
 
 
 # -- the rotary embedding vLLM applies to K ---------------------------------------------------

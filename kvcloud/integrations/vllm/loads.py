@@ -55,7 +55,7 @@ from .._torch import to_numpy
 from .device import PASSED, Fence
 from .expiring import Expiring
 from .layout import Blocks, block_index
-from .specs import NULL_BLOCK, LoadSpec
+from .specs import LoadSpec, filled, group_ids, restored_tokens, spans
 from .staging import StagingRing
 
 if TYPE_CHECKING:
@@ -118,25 +118,9 @@ class Load:
         self.layer_in = threading.Condition(self.lock)
 
 
-def _spans(block_ids: list[int]) -> list[tuple[int, int]]:
-    """The runs of a chunk's block slots to write: blocks vLLM already holds (-1, a prefix)
-    and a sliding window's null blocks are skipped. Usually one span, the whole chunk or its
-    tail after vLLM's own prefix hit."""
-    spans: list[tuple[int, int]] = []
-    for k, b in enumerate(block_ids):
-        if b < 0 or b == NULL_BLOCK:
-            continue
-        if spans and spans[-1][1] == k:
-            spans[-1] = (spans[-1][0], k + 1)
-        else:
-            spans.append((k, k + 1))
-    return spans
-
-
-def _filled(spec: LoadSpec) -> list[list[int]]:
-    """Per chunk, the blocks a restore writes: not those vLLM already holds (-1) nor a
-    sliding window's null block."""
-    return [[b for b in ch.block_ids if b >= 0 and b != NULL_BLOCK] for ch in spec.chunks]
+def _runs(ids: list[int], device: Any) -> list[tuple[int, int, Blocks]]:
+    """The spans of one group's block ids to write, each with its device index."""
+    return [(a, b, block_index(ids[a:b], device)) for a, b in spans(ids)]
 
 
 @dataclass
@@ -182,6 +166,8 @@ class Restores:
     streams: Streams
     caches: dict[str, torch.Tensor]
     layer_index: dict[str, int]
+    group_of: dict[str, int]  # each layer's KV cache group
+    groups: int  # KV cache groups
     layouts: dict[str, BlockLayout]
     _chunk_shape: tuple[int, ...]
     count: Callable[..., None]
@@ -202,6 +188,7 @@ class Restores:
         self._ring: StagingRing | None = None  # host staging, made on first use
         self._ring_lock = threading.Lock()
         self._failed_blocks: set[int] = set()
+        self._failed_requests: set[str] = set()  # the same, by request (several groups)
         self.store_breaker = cfg.breaker("store", clock, self._breaker_changed)
         self._bad_objects = Expiring()  # object keys, until (clock)
         self._new_bad: dict[str, float] = {}  # not yet reported to the scheduler
@@ -220,7 +207,9 @@ class Restores:
     def _in_step_load(self, spec: LoadSpec) -> bool:
         # the scheduler side decides (``spec.sync``); the worker's own setting only counts
         # for specs built without it (tests, or a scheduler side older than the worker)
-        return spec.sync or self.cfg.load_mode == "sync"
+        # (never with several KV cache groups: vLLM can only hear such a restore failed
+        # as a whole request waiting for it, which one in the step is not)
+        return spec.sync or (self.cfg.load_mode == "sync" and self.groups == 1)
 
     def _timeout(self, spec: LoadSpec) -> float:
         """How long a restore may run: ``load_timeout``, and for one that ``load_mode=auto``
@@ -251,7 +240,7 @@ class Restores:
         self.count(connector_errors=1)
         with load.lock:
             load.abandoned = True
-        self._failed_blocks.update(b for ids in _filled(load.spec) for b in ids)
+        self._fail_blocks(load, filled(load.spec))
 
     def _layer_written(self, load: Load, layer: int) -> bool:
         """Until the restore has written ``layer`` of each chunk, or is over, or given up
@@ -434,10 +423,9 @@ class Restores:
         )
         m = Match(self.ns, spec.tenant, refs, refs[-1].position + 1)
         device = self.streams.device
-        targets = [
-            [(a, b, block_index(ch.block_ids[a:b], device)) for a, b in _spans(ch.block_ids)]
-            for ch in chunks
-        ]
+        # per chunk, per KV cache group: the runs of blocks to write
+        targets = [[_runs(ids, device) for ids in group_ids(ch)] for ch in chunks]
+        group_of = self.group_of
         names = {layer: name for name, layer in self.layer_index.items()}
 
         def write(j: int, layer: int) -> None:
@@ -448,7 +436,8 @@ class Restores:
                     raise _GivenUp
                 t0 = time.monotonic()
                 with self.streams.loading(load.after):
-                    self._write_layer(names[layer], staging[j][layer], targets[j])
+                    name = names[layer]
+                    self._write_layer(name, staging[j][layer], targets[j][group_of.get(name, 0)])
                 load.write_s += time.monotonic() - t0
                 load.written[layer] += 1
                 load.layer_in.notify_all()
@@ -561,11 +550,33 @@ class Restores:
 
     def _settle(self, load: Load, ok: int) -> None:
         """Count a finished restore and note the blocks of its chunks past ``ok`` as failed."""
-        real = _filled(load.spec)
+        real = filled(load.spec)
         failed = [b for ids in real[ok:] for b in ids]
-        loaded = sum(len(ids) for ids in real[:ok])
-        self._failed_blocks.update(failed)
-        self.count(load_failed_blocks=len(failed), loaded_tokens=loaded * self.block_size)
+        self._fail_blocks(load, real[ok:])
+        if failed and self.groups > 1:
+            ok = 0  # the whole request is recomputed
+        self.count(
+            load_failed_blocks=len(failed),
+            loaded_tokens=restored_tokens(load.spec, slice(0, ok), self.block_size),
+        )
+
+    def _fail_blocks(self, load: Load, failed: list[list[int]]) -> None:
+        """Report the blocks of ``failed`` chunks failed: vLLM recomputes from the first.
+        With several KV cache groups vLLM cannot take block ids (they name no group): the
+        request is reported failed as a whole instead, and recomputed (a miss, counted),
+        never partly restored."""
+        if not any(failed):
+            return
+        if self.groups > 1:
+            self._failed_requests.add(load.spec.req_id)
+            self.count(restores_failed_whole=1)
+        else:
+            self._failed_blocks.update(b for ids in failed for b in ids)
+
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose restore failed (several KV cache groups), since the last call."""
+        failed, self._failed_requests = self._failed_requests, set()
+        return failed
 
 
 __all__ = ["Restores"]

@@ -45,7 +45,7 @@ class Plan:
     local: int = 0  # vLLM's own hit when the load was offered
     external: int = 0  # tokens offered beyond it
     sync: bool = False  # the load runs in the step that schedules the request
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     # vLLM allocated blocks for this plan's load: asked again before the request was
     # scheduled, the load failed from its first block (vLLM sets the request back to no
     # computed tokens and asks again); the same offer would fail the same way, forever

@@ -60,6 +60,8 @@ COUNTERS: dict[str, str] = {
     "load_report_us": "microseconds finished restores waited to be reported to vLLM (async)",
     "save_us": "microseconds the forward thread spent copying chunks out for saving",
     "load_failed_blocks": "blocks vLLM was told to recompute (load failed)",
+    "restores_failed_whole": "restores of a model with several KV cache groups that failed: "
+    "the request recomputed whole",
     "load_timeouts": "restores that ran past load_timeout (auto in the step: four budgets)",
     "pulls_stopped": "pulls of restores given up, stopped at a layer instead of read to the end",
     "loads_refused": "restores failed at once (store breaker open, object remembered bad)",
@@ -76,7 +78,8 @@ COUNTERS: dict[str, str] = {
     # counted by the worker as it stops, after its last report: on /metrics only where the
     # engine reports again (never after a server's stop); the stop's log line says it too
     "upload_dropped_at_stop": "chunks still unstored when the stop's drain budget ran out",
-    "saves_skipped": "chunks named for saving but not saved (null block of a window, unreadable)",
+    "saves_skipped": "chunks named for saving but not saved (partly out of a sliding window, "
+    "unreadable)",
     "parts_pushed": "parts of chunks (a TP rank's KV heads) newly stored by the uploader",
     "chunks_registered": "chunks in parts this rank registered, its part the last stored (TP > 1)",
 }

@@ -19,7 +19,8 @@ Tensor-free, and it never waits on the network for more than ``lookup_wait_ms`` 
   pull failed or timed out are not offered again for ``failure_memory`` seconds.
 - **Saves follow the request's KV as it is computed**: each step names the chunks whose last
   token's KV that step computes, prompt chunks during the prefill and (``save_decode``) the
-  chunks the answer fills while decoding, which in a chat are the next turn's prompt.
+  chunks the answer fills while decoding, which in a chat are the next turn's prompt
+  (saves.py).
 
 A request's life, as vLLM's calls move it: looked up (``on_new_request``) → planned (its
 hit, ``get_num_new_matched_tokens``) → loading (``update_state_after_alloc``: vLLM gave it
@@ -51,7 +52,6 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
 from ...client import KVCloud
@@ -60,32 +60,13 @@ from . import cost
 from .config import VLLMConnectorConfig
 from .expiring import Expiring
 from .lookups import Lookups, Pending, Plan
-from .specs import NULL_BLOCK, KVCloudWorkerMeta, LoadChunk, LoadSpec, SaveChunk, SaveSpec, StepSpec
+from .saves import SaveNaming, Saving, more_groups, per_group
+from .specs import NULL_BLOCK, KVCloudWorkerMeta, LoadChunk, LoadSpec, StepSpec
 
 log = logging.getLogger("vllm.kvcloud")
 
 
-@dataclass
-class _Saving:
-    """A request whose chunks are pushed as its steps complete them."""
-
-    tenant: str
-    fps: list[bytes]  # fingerprints of its full chunks known so far
-    next_chunk: int
-    block_ids: list[int] = field(default_factory=list)
-    request: Any = None  # vLLM's Request: its tokens grow while it decodes (save_decode)
-    # scheduled before its lookup was back, the chunks vLLM's own cache held (those below
-    # ``unsure``) were not saved then; once the lookup answers, the ones the index lacks are
-    # saved from the request's blocks (it holds them while it runs)
-    unsure: int = 0
-    lookup: cf.Future[Plan] | None = None
-    rewind: bool = False  # resumed before the lookup answered: no backfill, rewind instead
-    # restored in its first step: kept until the next step shows whether the restore held
-    # (vLLM rewinds the request's computed tokens to a failed block, then recomputes)
-    restored: bool = False
-
-
-class SchedulerSide(Lookups):
+class SchedulerSide(Lookups, SaveNaming):
     def __init__(
         self,
         cfg: VLLMConnectorConfig,
@@ -93,16 +74,25 @@ class SchedulerSide(Lookups):
         client: KVCloud,
         block_size: int,
         clock: Any = time.monotonic,
-        sliding: bool = False,
+        windows: list[int | None] | None = None,
         drafter: bool = False,
     ) -> None:
         self.cfg = cfg
         self.ns = ns
         self.client = client
         self.block_size = block_size
-        # a sliding-window model: blocks behind the window are freed and reused, so only a
-        # chunk's own step may read them (no backfill of older chunks)
-        self.sliding = sliding
+        # per KV cache group (several with vLLM's hybrid allocator), its sliding window or
+        # None. A sliding group's blocks behind the window are freed and reused, so only a
+        # chunk's own step may read them (no backfill of older chunks), and only while the
+        # window still covers them (_freed)
+        self.windows = list(windows) if windows else [None]
+        self.sliding = any(w is not None for w in self.windows)
+        if len(self.windows) > 1 and cfg.load_mode == "sync":
+            log.warning(
+                "kvcloud: load_mode=sync with %d KV cache groups: restores run beside the "
+                "pass (vLLM can only be told a several-group restore failed as a whole, "
+                "which a restore in the step cannot be)", len(self.windows),
+            )  # fmt: skip
         # an EAGLE/MTP drafter's KV at a position is computed from the token after it: at
         # the last position of a chunk that token lies beyond the chunk's fingerprint (as
         # vLLM drops the last block of its own prefix hit for EAGLE, for the same reason)
@@ -112,7 +102,7 @@ class SchedulerSide(Lookups):
         self._pending: dict[str, Pending] = {}
         self._loads: dict[str, Plan] = {}  # offered and allocated, not yet in metadata
         self._unplanned: dict[str, LoadSpec] = {}  # allocated loads that failed to plan
-        self._saving: dict[str, _Saving] = {}
+        self._saving: dict[str, Saving] = {}
         self._requests: dict[str, Any] = {}  # vLLM's Request of each request seen, for saves
         self.stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()  # lookup threads count too
@@ -210,7 +200,9 @@ class SchedulerSide(Lookups):
         if external <= 0 or external < self.cfg.min_hit_tokens:
             return 0, False
         plan.local, plan.external = num_computed_tokens, external
-        plan.sync = self._in_step(plan, hit)
+        # with several KV cache groups vLLM hears of a failed restore only as a whole
+        # request waiting for it (failed_recving; a block id names no group): beside the pass
+        plan.sync = self._in_step(plan, hit) if len(self.windows) == 1 else False
         return external, not plan.sync
 
     def _paying(self, plan: Plan, local: int, hit: int) -> int:
@@ -278,7 +270,7 @@ class SchedulerSide(Lookups):
         # vLLM may trim an offer from its end (to a block boundary): load exactly the
         # blocks it now expects us to fill, and none that it will compute itself
         plan.external = min(plan.external, num_external_tokens)
-        plan.block_ids = list(blocks.get_block_ids()[0])
+        plan.block_ids = per_group(blocks.get_block_ids())
         plan.offered = True
         self._loads[request.request_id] = plan
         self.count(hit_tokens=plan.external)
@@ -286,12 +278,14 @@ class SchedulerSide(Lookups):
             self.count(loads_in_step=1)
 
     def _refused_spec(
-        self, req_id: str, ids: list[int], local: int, external: int, sync: bool
+        self, req_id: str, ids: list[list[int]], local: int, external: int, sync: bool
     ) -> LoadSpec:
         """A load that pulls nothing: the worker reports the blocks holding tokens
-        [local, local + external) failed at once, and vLLM recomputes them."""
+        [local, local + external) failed at once (the whole request, with several KV cache
+        groups), and vLLM recomputes them."""
         bs = self.block_size
-        chunk = LoadChunk(-1, b"", b"", "", 0, ids[local // bs : (local + external) // bs])
+        part = [g[local // bs : (local + external) // bs] for g in ids] or [[]]
+        chunk = LoadChunk(-1, b"", b"", "", 0, part[0], part if len(part) > 1 else [])
         return LoadSpec(req_id, "", [chunk], sync, refused=True)
 
     def load_unplanned(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -300,7 +294,7 @@ class SchedulerSide(Lookups):
         plan = self._plans.get(rid)
         self._unplanned[rid] = self._refused_spec(
             rid,
-            list(blocks.get_block_ids()[0]),
+            per_group(blocks.get_block_ids()),
             plan.local if plan is not None else 0,
             max(0, num_external_tokens),
             plan.sync if plan is not None else False,
@@ -331,15 +325,17 @@ class SchedulerSide(Lookups):
         for ref in self._pulled(plan, end):
             base = ref.position * per_chunk
             ids = [
-                plan.block_ids[base + k] if first_block <= base + k < end_block else -1
-                for k in range(per_chunk)
+                [
+                    group[base + k] if first_block <= base + k < end_block else -1
+                    for k in range(per_chunk)
+                ]
+                for group in plan.block_ids
             ]
-            if all(b < 0 or b == NULL_BLOCK for b in ids):
-                continue  # wholly out of a sliding window: nothing of it is needed
+            if all(b < 0 or b == NULL_BLOCK for g in ids for b in g):
+                continue  # out of every group's window: nothing of it is needed
+            key, size = ref.entry.object_key, ref.entry.size
             chunks.append(
-                LoadChunk(
-                    ref.position, ref.fp, ref.parent, ref.entry.object_key, ref.entry.size, ids
-                )
+                LoadChunk(ref.position, ref.fp, ref.parent, key, size, ids[0], more_groups(ids))
             )
         return LoadSpec(req_id, plan.tenant, chunks, sync=plan.sync)
 
@@ -379,154 +375,6 @@ class SchedulerSide(Lookups):
             self.count(connector_errors=1)
             meta.saves.clear()
         return meta
-
-    def _step_saves(self, scheduler_output: Any, meta: StepSpec) -> None:
-        """The chunks this step's requests complete, into ``meta.saves``."""
-        scheduled = scheduler_output.num_scheduled_tokens
-        for new in scheduler_output.scheduled_new_reqs:
-            rid = new.req_id
-            plan = self._plans.pop(rid, None)
-            saving = self._saving.get(rid)
-            if saving is not None:
-                # a request resumed after a preemption, which vLLM's V2 model runner sends
-                # as a new request (resumed_req_ids stays empty): its blocks are all new,
-                # the old ids belong to other requests now. Chunks already handed over stay
-                # handed over; the rest are saved from the new blocks as they are computed.
-                saving.block_ids = list(new.block_ids[0])
-                # the chunks vLLM's cache held are not in these blocks until recomputed
-                # (or loaded): no backfill from them; once the lookup answers, those the
-                # index lacks are named as they are recomputed instead
-                saving.unsure, saving.rewind = 0, saving.lookup is not None
-                computed = new.num_computed_tokens + scheduled.get(rid, 0)
-                self._collect(rid, saving, computed, meta)
-                continue
-            lookup = None
-            if plan is None:
-                lookup = self._pending.get(rid)
-                plan = self._unwaited_plan(rid, new.num_computed_tokens)
-            if plan is None or plan.skip:
-                continue
-            if self.cfg.write_policy == "off":
-                continue
-            stored = len(plan.match.chunks) if plan.match is not None else plan.stored
-            if plan.offered and new.num_computed_tokens < plan.local + plan.external:
-                # its load failed part of the way (vLLM recomputes from the first failed
-                # block): the chunks from there are saved again as they are recomputed
-                stored = min(stored, new.num_computed_tokens // self.ns.chunk_tokens)
-            saving = _Saving(
-                plan.tenant,
-                list(plan.fps),
-                stored,
-                list(new.block_ids[0]),
-                self._requests.get(rid) if self.cfg.save_decode else None,
-            )
-            if lookup is not None and not lookup.future.done():
-                saving.unsure, saving.lookup = stored, lookup.future
-            saving.restored = plan.offered
-            computed = new.num_computed_tokens + scheduled.get(rid, 0)
-            self._collect(rid, saving, computed, meta)
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            if req_id in cached.resumed_req_ids:
-                # a resumed request asked again for its hit; that plan is spent now
-                self._plans.pop(req_id, None)
-            saving = self._saving.get(req_id)
-            if saving is None:
-                continue
-            new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                # after a preemption vLLM hands over the request's whole block list again
-                saving.block_ids = list(new_ids[0]) if new_ids is not None else []
-                # (as for the V2 runner above)
-                saving.unsure, saving.rewind = 0, saving.lookup is not None
-            elif new_ids is not None:
-                saving.block_ids.extend(new_ids[0])
-            before = cached.num_computed_tokens[i]
-            resumed = req_id in cached.resumed_req_ids  # (its handed-over chunks were copied)
-            if not resumed and before < saving.next_chunk * self.ns.chunk_tokens:
-                # vLLM took back computed tokens: a restore in the step failed at that
-                # block (its objects' entries are dropped), and it recomputes from there
-                # into the same blocks: those chunks are saved again as they are recomputed
-                saving.next_chunk = before // self.ns.chunk_tokens
-                self.count(saves_rewound=1)
-            saving.restored = False
-            computed = before + scheduled.get(req_id, 0)
-            self._collect(req_id, saving, computed, meta)
-
-    def _collect(self, req_id: str, saving: _Saving, computed: int, meta: StepSpec) -> None:
-        """Save the chunks this step completes: prompt chunks, and answer chunks too when the
-        request's tokens are followed (``save_decode``)."""
-        c, bs = self.ns.chunk_tokens, self.block_size
-        per_chunk = c // bs
-        chunks = self._backfill(saving, computed) if saving.lookup is not None else []
-        if saving.request is not None:
-            # only tokens vLLM has accepted: a step also computes KV for speculative draft
-            # tokens it may reject, and with async scheduling the newest token is not known
-            # yet; a chunk they end is saved at a later step, its blocks still the request's
-            tokens = saving.request.all_token_ids
-            computed = min(computed, len(tokens))
-            if computed // c > len(saving.fps):
-                saving.fps = self.client.fingerprints(
-                    self.ns, list(tokens[: computed // c * c]), saving.tenant
-                )
-        ready = min(computed // c, len(saving.fps))
-        done = saving.next_chunk
-        for j in range(saving.next_chunk, ready):
-            ids = saving.block_ids[j * per_chunk : (j + 1) * per_chunk]
-            if len(ids) < per_chunk:
-                break
-            done = j + 1
-            if NULL_BLOCK in ids:
-                continue  # partly out of a sliding window already: not whole, not saved
-            parent = saving.fps[j - 1] if j else self.ns.digest
-            chunks.append(SaveChunk(j, saving.fps[j], parent, ids))
-        saving.next_chunk = done
-        if chunks:
-            meta.saves.append(SaveSpec(req_id, saving.tenant, chunks))
-        if (
-            saving.request is None
-            and saving.next_chunk >= len(saving.fps)
-            and saving.lookup is None
-            and not saving.restored
-        ):
-            self._saving.pop(req_id, None)  # every prompt chunk handed over
-        else:
-            self._saving[req_id] = saving
-
-    def _backfill(self, saving: _Saving, computed: int) -> list[SaveChunk]:
-        """Once the lookup of a request scheduled without it is back: the chunks vLLM's own
-        cache held that the index lacks (computed here by a request whose saves were lost,
-        or still in flight), saved now from this request's blocks."""
-        future = saving.lookup
-        if future is None or not future.done():
-            return []
-        saving.lookup = None
-        try:
-            plan = future.result()
-        except Exception:  # a bug in the lookup thread: nothing known, nothing saved again
-            return []
-        if plan.skip or plan.failed:
-            return []
-        known = len(plan.match.chunks) if plan.match is not None else 0
-        if saving.rewind:  # resumed meanwhile: named as they are recomputed
-            saving.next_chunk = min(saving.next_chunk, known)
-            return []
-        per_chunk = self.ns.chunk_tokens // self.block_size
-        out = []
-        # only chunks whose KV is in the request's blocks by this step (the window of a
-        # sliding-window model may have moved past older ones: see self.sliding)
-        if self.sliding:
-            return []
-        end = min(saving.unsure, len(saving.fps), computed // self.ns.chunk_tokens)
-        for j in range(known, end):
-            ids = saving.block_ids[j * per_chunk : (j + 1) * per_chunk]
-            if len(ids) < per_chunk or NULL_BLOCK in ids:
-                continue
-            parent = saving.fps[j - 1] if j else self.ns.digest
-            out.append(SaveChunk(j, saving.fps[j], parent, ids))
-        if out:
-            self.count(chunks_backfilled=len(out))
-        return out
 
     # -- what the workers report ------------------------------------------------------------
 

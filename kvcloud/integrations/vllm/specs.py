@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 NULL_BLOCK = 0
 
 
+def group_ids(chunk: LoadChunk | SaveChunk) -> list[list[int]]:
+    """A chunk's block ids per KV cache group (one group: its ``block_ids``)."""
+    return chunk.groups or [chunk.block_ids]
+
+
 @dataclass
 class LoadChunk:
     position: int  # chunk index in the prompt
@@ -22,6 +27,9 @@ class LoadChunk:
     # vLLM block id for each block-sized slice of the chunk; -1 for a slice vLLM already
     # holds (its own prefix-cache hit), which is left alone
     block_ids: list[int]
+    # a model with several KV cache groups (vLLM's hybrid allocator): each group's ids, the
+    # first being ``block_ids``; empty with one group
+    groups: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -43,6 +51,7 @@ class SaveChunk:
     fp: bytes
     parent: bytes
     block_ids: list[int]
+    groups: list[list[int]] = field(default_factory=list)  # (as LoadChunk's)
 
 
 @dataclass
@@ -101,3 +110,36 @@ class KVCloudWorkerMeta:
             self.given_up_bytes += other.given_up_bytes
             self.given_up_s += other.given_up_s
         return self
+
+
+def spans(block_ids: list[int]) -> list[tuple[int, int]]:
+    """The runs of a chunk's block slots to write: blocks vLLM already holds (-1, a prefix)
+    and a sliding window's null blocks are skipped. Usually one span, the whole chunk or its
+    tail after vLLM's own prefix hit."""
+    out: list[tuple[int, int]] = []
+    for k, b in enumerate(block_ids):
+        if b < 0 or b == NULL_BLOCK:
+            continue
+        if out and out[-1][1] == k:
+            out[-1] = (out[-1][0], k + 1)
+        else:
+            out.append((k, k + 1))
+    return out
+
+
+def filled(spec: LoadSpec) -> list[list[int]]:
+    """Per chunk, the blocks a restore writes: not those vLLM already holds (-1) nor a
+    sliding window's null block (with several KV cache groups, every group's)."""
+    return [
+        [b for ids in group_ids(ch) for b in ids if b >= 0 and b != NULL_BLOCK]
+        for ch in spec.chunks
+    ]
+
+
+def restored_tokens(spec: LoadSpec, chunks: slice, block_size: int) -> int:
+    """Tokens a restore's ``chunks`` put in place: those of the group with most blocks
+    written (a sliding group holds only its window)."""
+    return block_size * sum(
+        max(sum(1 for b in ids if b >= 0 and b != NULL_BLOCK) for ids in group_ids(ch))
+        for ch in spec.chunks[chunks]
+    )

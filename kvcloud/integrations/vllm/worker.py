@@ -40,7 +40,7 @@ from .drafters import drafter_layers
 from .layout import BlockLayout, block_index, learn_layout
 from .loads import FP8_FORMATS, TORCH_DTYPES, Load, Restores
 from .shard import Shard, shard_of
-from .specs import NULL_BLOCK, KVCloudWorkerMeta, SaveChunk, SaveSpec
+from .specs import NULL_BLOCK, KVCloudWorkerMeta, SaveChunk, SaveSpec, group_ids
 from .uploader import Uploader
 
 if TYPE_CHECKING:
@@ -148,6 +148,14 @@ class WorkerSide(Restores):
         )
         self.caches: dict[str, torch.Tensor] = {}
         self.layer_index: dict[str, int] = {}
+        # each layer's KV cache group (vLLM's hybrid allocator: a group per kind of layer,
+        # each with block ids of its own); every layer in group 0 when there is one
+        self.group_of: dict[str, int] = {
+            name: g
+            for g, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+            for name in getattr(group, "layer_names", ())
+        }
+        self.groups = max(1, len(getattr(kv_cache_config, "kv_cache_groups", None) or []))
         self.layouts: dict[str, BlockLayout] = {}
         self._pending_saves: list[SaveSpec] = []  # this step's, from start_load_kv
         # the engine's device, learned from its caches (register_kv_caches)
@@ -422,7 +430,8 @@ class WorkerSide(Restores):
         with self.streams.saving():
             for spec in saves:
                 for ch in spec.chunks:
-                    if any(b == NULL_BLOCK for b in ch.block_ids):
+                    groups = group_ids(ch)
+                    if any(b == NULL_BLOCK for ids in groups for b in ids):
                         skipped += 1  # partly out of a sliding window: not whole
                         continue
                     if room <= 0:
@@ -432,8 +441,9 @@ class WorkerSide(Restores):
                     buf = self._buffers.take()
                     try:
                         # made on the save stream, which uses it
-                        ids = block_index(ch.block_ids, device)
+                        index = [block_index(ids, device) for ids in groups]
                         for name, layer in layers:
+                            ids = index[self.group_of.get(name, 0)]
                             self.layouts[name].gather_into(self.caches[name], ids, buf[layer])
                     except (LayoutError, RuntimeError, IndexError) as exc:
                         log.warning("kvcloud: could not read chunk %d of %s for saving: %s",
