@@ -118,9 +118,10 @@ MAMBA_REASON = (
     "a model with Mamba or linear-attention layers: their cache is one fixed-size state per "
     "request (convolution and SSM state), not KV per token, and a prefix's state exists "
     "only at the boundaries vLLM checkpoints it (prefix caching's mamba_cache_mode 'align'). "
-    "A connector would need the state's own cache group (SupportsHMA), a state per chunk "
-    "boundary in the store beside the attention KV, and to restore the state at the restore "
-    "point only; the kvcloud connector stores attention KV only, so it refuses these models"
+    "The kvcloud connector follows several KV cache groups (SupportsHMA) but stores "
+    "attention KV only; it would also need a state per chunk boundary in the store beside "
+    "the attention KV, and to restore the state at the restore point only, so it refuses "
+    "these models"
 )
 
 
