@@ -113,6 +113,9 @@ class Load:
     results: list[tuple[range, PullResult]] = field(default_factory=list)  # per pull
     errors: list[BaseException] = field(default_factory=list)  # pulls that raised
     write_s: float = 0.0  # seconds writing into vLLM's blocks (writes are serialized)
+    # of those, the CPU seconds of the writing threads: far less than write_s when the
+    # writes wait for a core (vLLM's own processes poll on every core of a CPU server)
+    write_cpu_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.layer_in = threading.Condition(self.lock)
@@ -434,11 +437,12 @@ class Restores:
                     # vLLM may have given the blocks to another request; and nothing more
                     # of this restore is wanted: stop pulling (a sick store is spared it)
                     raise _GivenUp
-                t0 = time.monotonic()
+                t0, cpu0 = time.monotonic(), time.thread_time()
                 with self.streams.loading(load.after):
                     name = names[layer]
                     self._write_layer(name, staging[j][layer], targets[j][group_of.get(name, 0)])
                 load.write_s += time.monotonic() - t0
+                load.write_cpu_s += time.thread_time() - cpu0
                 load.written[layer] += 1
                 load.layer_in.notify_all()
 
@@ -500,6 +504,7 @@ class Restores:
                 loads=1,
                 load_us=int(1e6 * seconds),
                 load_write_us=int(1e6 * load.write_s),
+                load_write_cpu_us=int(1e6 * load.write_cpu_s),
                 loaded_bytes=pulled,
             )
             if pulled:

@@ -57,6 +57,8 @@ COUNTERS: dict[str, str] = {
     "loads_in_step": "restores run inside the step that scheduled them (sync, or auto when short)",
     "load_us": "microseconds restores took, pull and verify and write into vLLM's blocks",
     "load_write_us": "of load_us, microseconds writing pulled chunks into vLLM's blocks",
+    "load_write_cpu_us": "of load_write_us, CPU microseconds of the writing threads (the rest "
+    "waited for a core)",
     "load_report_us": "microseconds finished restores waited to be reported to vLLM (async)",
     "save_us": "microseconds the forward thread spent copying chunks out for saving",
     "load_failed_blocks": "blocks vLLM was told to recompute (load failed)",
