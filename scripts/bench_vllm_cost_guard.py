@@ -24,8 +24,9 @@ request, so a hit can only come from kvcloud):
 Each request is timed alone: the connector servers' uploads (write-through) are waited for
 before the next request (on 2 cores any runnable thread slows vLLM's OpenMP prefill).
 
-Prints per phase the median TTFT of each server, the ratio to ``plain`` and the connector's
-counters; writes JSON (``--out``).
+Prints per phase the median TTFT of each server, the ratio of medians to ``plain``'s, the
+median of the per-prompt ratios (each server's TTFT over plain's on the same prompt, which
+the prompts' own spread does not move) and the connector's counters; writes JSON (``--out``).
 
     python scripts/bench_vllm_cost_guard.py --out docs/bench/vllm_cost_guard.json
 """
@@ -146,10 +147,17 @@ def main() -> None:
                 if n != "plain"
             }
             med = {n: statistics.median(v) for n, v in ttft.items()}
+            # per prompt, each server's TTFT over plain's on that prompt: the prompts' own
+            # spread (and this machine's drift between them) cancels
+            paired = {
+                n: statistics.median(x / y for x, y in zip(ttft[n], ttft["plain"], strict=True))
+                for n in servers
+            }
             results[phase] = {
                 "ttft_s": ttft,
                 "median_s": med,
                 "vs_plain": {n: med[n] / med["plain"] for n in servers},
+                "paired_vs_plain": paired,
                 "counters": counters,
             }
     finally:
@@ -159,14 +167,16 @@ def main() -> None:
         redis.stop()
         moto.stop()
     rows = ["| phase | plain TTFT (s) | guard | no guard | guard ÷ plain | no guard ÷ plain "
-            "| guard's counters |", "|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+            "| guard ÷ plain, per prompt | no guard ÷ plain, per prompt | guard's counters |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     for phase in PHASES:
         r = results[phase]
-        m, v = r["median_s"], r["vs_plain"]
+        m, v, pv = r["median_s"], r["vs_plain"], r["paired_vs_plain"]
         c = ", ".join(f"{k} {int(x)}" for k, x in r["counters"]["guard"].items() if x) or "–"
         rows.append(
             f"| {phase} | {m['plain']:.2f} | {m['guard']:.2f} | {m['no guard']:.2f} "
-            f"| {v['guard']:.2f}× | {v['no guard']:.2f}× | {c} |"
+            f"| {v['guard']:.2f}× | {v['no guard']:.2f}× | {pv['guard']:.2f}× "
+            f"| {pv['no guard']:.2f}× | {c} |"
         )
     print("\n".join(rows))
     if a.out:

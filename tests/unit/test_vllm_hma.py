@@ -36,8 +36,9 @@ from kvcloud.integrations.vllm.specs import (  # noqa: E402
     LoadSpec,
     SaveChunk,
     SaveSpec,
+    whole_failures,
 )
-from kvcloud.integrations.vllm.worker import WorkerSide  # noqa: E402
+from kvcloud.integrations.vllm.worker import WorkerSide, sharing_group  # noqa: E402
 from tests.helpers import make_kv, make_ns, make_tokens, same_bits  # noqa: E402
 from tests.unit.test_vllm_layout import cpu_write, layer_for  # noqa: E402
 from tests.unit.test_vllm_scheduler import ask, output, request, stored  # noqa: E402,F401
@@ -163,9 +164,13 @@ def worker(tmp_path: Path, **cfg: object) -> tuple[WorkerSide, KVCloud]:
     kvc = KVCloud.open(store=f"file://{tmp_path}/o", index=f"sqlite://{tmp_path}/i.db", secret="s")
     config = VLLMConnectorConfig(**cfg)  # type: ignore[arg-type]
     vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS))
+    specs = (_spec("SlidingWindowSpec", sliding_window=2 * BS), _spec("FullAttentionSpec"))
     kcc = SimpleNamespace(
         num_blocks=N_BLOCKS,
-        kv_cache_groups=[SimpleNamespace(layer_names=[name]) for name in LAYERS],
+        kv_cache_groups=[
+            SimpleNamespace(layer_names=[name], kv_cache_spec=spec)
+            for name, spec in zip(LAYERS, specs, strict=True)
+        ],
     )
     ws = WorkerSide(config, ns, kvc, vllm_config, kcc)
     write = layer_for(cpu_write)
@@ -174,6 +179,7 @@ def worker(tmp_path: Path, **cfg: object) -> tuple[WorkerSide, KVCloud]:
         ws.caches[name], ws.layer_index[name] = cache, layer
         ws.layouts[name] = learn_layout(write, cache, N_BLOCKS, BS, ns.num_kv_heads, ns.head_dim)
     assert ws.groups == 2 and ws.group_of == {LAYERS[0]: 0, LAYERS[1]: 1}
+    assert ws.whole_failures
     return ws, kvc
 
 
@@ -301,3 +307,29 @@ def test_group_windows_names_each_groups_window_and_refuses_the_rest() -> None:
             group_windows(_groups(_spec(kind, sliding_window=64)))
     with pytest.raises(ConfigError, match="block sizes"):
         group_windows(_groups(slide, _spec("FullAttentionSpec", block_size=2 * BS)))
+
+
+def test_a_layer_sharing_another_layers_kv_joins_its_group() -> None:
+    group_of = {LAYERS[0]: 0, LAYERS[1]: 1}
+    sharing = SimpleNamespace(kv_sharing_target_layer_name=LAYERS[1])
+    assert sharing_group("model.layers.2.self_attn.attn", sharing, group_of) == 1
+    with pytest.raises(ConfigError, match="no KV cache group"):
+        sharing_group("model.layers.2.self_attn.attn", SimpleNamespace(), group_of)
+
+
+def test_with_one_sliding_group_failures_are_whole_and_restores_beside_the_pass(
+    stored: tuple[KVCloud, list[int]],  # noqa: F811
+) -> None:
+    """One group, all of it sliding: vLLM already put its null block behind the restore
+    point's window, which a recompute from a failed block inside the restore would attend
+    over; so a failure recomputes the request whole, and no restore runs in the step."""
+    assert whole_failures([256]) and whole_failures([None, None])
+    assert not whole_failures([None]) and not whole_failures([])
+    kvc, tokens = stored
+    s = SchedulerSide(
+        VLLMConnectorConfig(chunk_tokens=C, load_mode="sync"),
+        make_ns("float32"), kvc, BS, windows=[3 * BS],
+    )  # fmt: skip
+    req = request("r1", tokens)
+    s.on_new_request(req)
+    assert ask(s, req) == 4 * C  # asynchronous although load_mode=sync

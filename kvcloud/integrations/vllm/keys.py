@@ -169,22 +169,7 @@ def group_windows(kv_cache_config: Any) -> list[int | None]:
     window, whose blocks behind it become vLLM's shared null block, or None where every
     block is kept. A ConfigError for a kind the connector would store wrong."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    windows: list[int | None] = []
-    for g in groups:
-        spec = getattr(g, "kv_cache_spec", None)
-        kind = type(spec).__name__
-        # only vLLM's SlidingWindowSpec frees blocks behind the window: FullAttentionSpec
-        # keeps a sliding_window attribute when the hybrid allocator is off, and keeps
-        # every block
-        if kind == "SlidingWindowSpec" and getattr(spec, "sliding_window", None):
-            windows.append(int(spec.sliding_window))
-        elif kind in _REUSED or (len(groups) > 1 and kind not in _WHOLE):
-            raise ConfigError(
-                f"a KV cache group of {kind} layers ({len(groups)} groups): the kvcloud "
-                "connector stores full and sliding-window attention only"
-            )
-        else:
-            windows.append(None)
+    windows = [_window(getattr(g, "kv_cache_spec", None), len(groups)) for g in groups]
     sizes = {getattr(getattr(g, "kv_cache_spec", None), "block_size", None) for g in groups}
     if len(sizes) > 1:
         raise ConfigError(
@@ -192,6 +177,28 @@ def group_windows(kv_cache_config: Any) -> list[int | None]:
             "chunk as whole blocks of one size in every group"
         )
     return windows
+
+
+def _window(spec: Any, groups: int) -> int | None:
+    kind = type(spec).__name__
+    inner = getattr(spec, "kv_cache_specs", None)
+    if kind == "UniformTypeKVCacheSpecs" and isinstance(inner, dict) and inner:
+        # one group of layers of one kind but several shapes (vLLM packs them on the
+        # worker): the kind of its layers decides, and they must agree
+        found = {_window(s, groups) for s in inner.values()}
+        if len(found) > 1:
+            raise ConfigError(f"a KV cache group mixing windows {sorted(map(str, found))}")
+        return found.pop()
+    # only vLLM's SlidingWindowSpec frees blocks behind the window: FullAttentionSpec keeps
+    # a sliding_window attribute when the hybrid allocator is off, and keeps every block
+    if kind == "SlidingWindowSpec" and getattr(spec, "sliding_window", None):
+        return int(spec.sliding_window)
+    if kind in _REUSED or (groups > 1 and kind not in _WHOLE):
+        raise ConfigError(
+            f"a KV cache group of {kind} layers ({groups} groups): the kvcloud connector "
+            "stores full and sliding-window attention only"
+        )
+    return None
 
 
 def sliding_window(kv_cache_config: Any) -> int | None:

@@ -171,6 +171,7 @@ class Restores:
     layer_index: dict[str, int]
     group_of: dict[str, int]  # each layer's KV cache group
     groups: int  # KV cache groups
+    whole_failures: bool  # a failed restore is reported as its request (specs.whole_failures)
     layouts: dict[str, BlockLayout]
     _chunk_shape: tuple[int, ...]
     count: Callable[..., None]
@@ -210,9 +211,9 @@ class Restores:
     def _in_step_load(self, spec: LoadSpec) -> bool:
         # the scheduler side decides (``spec.sync``); the worker's own setting only counts
         # for specs built without it (tests, or a scheduler side older than the worker)
-        # (never with several KV cache groups: vLLM can only hear such a restore failed
-        # as a whole request waiting for it, which one in the step is not)
-        return spec.sync or (self.cfg.load_mode == "sync" and self.groups == 1)
+        # (never where failures are whole: vLLM can only hear such a restore failed as a
+        # whole request waiting for it, which one in the step is not)
+        return spec.sync or (self.cfg.load_mode == "sync" and not self.whole_failures)
 
     def _timeout(self, spec: LoadSpec) -> float:
         """How long a restore may run: ``load_timeout``, and for one that ``load_mode=auto``
@@ -558,7 +559,7 @@ class Restores:
         real = filled(load.spec)
         failed = [b for ids in real[ok:] for b in ids]
         self._fail_blocks(load, real[ok:])
-        if failed and self.groups > 1:
+        if failed and self.whole_failures:
             ok = 0  # the whole request is recomputed
         self.count(
             load_failed_blocks=len(failed),
@@ -567,12 +568,12 @@ class Restores:
 
     def _fail_blocks(self, load: Load, failed: list[list[int]]) -> None:
         """Report the blocks of ``failed`` chunks failed: vLLM recomputes from the first.
-        With several KV cache groups vLLM cannot take block ids (they name no group): the
-        request is reported failed as a whole instead, and recomputed (a miss, counted),
-        never partly restored."""
+        With several KV cache groups or a sliding window (specs.whole_failures) the request
+        is reported failed as a whole instead, and recomputed (a miss, counted), never
+        partly restored."""
         if not any(failed):
             return
-        if self.groups > 1:
+        if self.whole_failures:
             self._failed_requests.add(load.spec.req_id)
             self.count(restores_failed_whole=1)
         else:

@@ -61,7 +61,7 @@ from .config import VLLMConnectorConfig
 from .expiring import Expiring
 from .lookups import Lookups, Pending, Plan
 from .saves import SaveNaming, Saving, more_groups, per_group
-from .specs import NULL_BLOCK, KVCloudWorkerMeta, LoadChunk, LoadSpec, StepSpec
+from .specs import NULL_BLOCK, KVCloudWorkerMeta, LoadChunk, LoadSpec, StepSpec, whole_failures
 
 log = logging.getLogger("vllm.kvcloud")
 
@@ -87,12 +87,13 @@ class SchedulerSide(Lookups, SaveNaming):
         # window still covers them (_freed)
         self.windows = list(windows) if windows else [None]
         self.sliding = any(w is not None for w in self.windows)
-        if len(self.windows) > 1 and cfg.load_mode == "sync":
+        self.whole_failures = whole_failures(self.windows)
+        if self.whole_failures and cfg.load_mode == "sync":
             log.warning(
-                "kvcloud: load_mode=sync with %d KV cache groups: restores run beside the "
-                "pass (vLLM can only be told a several-group restore failed as a whole, "
-                "which a restore in the step cannot be)", len(self.windows),
-            )  # fmt: skip
+                "kvcloud: load_mode=sync with a sliding window or several KV cache groups: "
+                "restores run beside the pass (a failed one is recomputed whole, which one "
+                "in the step cannot be)"
+            )
         # an EAGLE/MTP drafter's KV at a position is computed from the token after it: at
         # the last position of a chunk that token lies beyond the chunk's fingerprint (as
         # vLLM drops the last block of its own prefix hit for EAGLE, for the same reason)
@@ -200,9 +201,9 @@ class SchedulerSide(Lookups, SaveNaming):
         if external <= 0 or external < self.cfg.min_hit_tokens:
             return 0, False
         plan.local, plan.external = num_computed_tokens, external
-        # with several KV cache groups vLLM hears of a failed restore only as a whole
-        # request waiting for it (failed_recving; a block id names no group): beside the pass
-        plan.sync = self._in_step(plan, hit) if len(self.windows) == 1 else False
+        # with a sliding group (or several groups) vLLM hears of a failed restore only as a
+        # whole request waiting for it (WorkerSide.whole_failures): beside the pass
+        plan.sync = self._in_step(plan, hit) if not self.whole_failures else False
         return external, not plan.sync
 
     def _paying(self, plan: Plan, local: int, hit: int) -> int:

@@ -12,6 +12,16 @@ from dataclasses import dataclass, field
 NULL_BLOCK = 0
 
 
+def whole_failures(windows: list[int | None]) -> bool:
+    """Whether a failed restore must be reported as its whole request failed (recomputed
+    from its first token), never as failed blocks (recomputed from the first of them):
+    with several KV cache groups vLLM takes no block ids (they name no group), and with a
+    sliding window it has already put its null block behind the restore point's window,
+    which a recompute from a block inside the restore would attend over. Such restores
+    run beside the pass: only a request waiting for its KV can be reported failed whole."""
+    return len(windows) > 1 or any(w is not None for w in windows)
+
+
 def group_ids(chunk: LoadChunk | SaveChunk) -> list[list[int]]:
     """A chunk's block ids per KV cache group (one group: its ``block_ids``)."""
     return chunk.groups or [chunk.block_ids]

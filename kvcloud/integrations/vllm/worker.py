@@ -37,10 +37,11 @@ from .._torch import to_numpy
 from .config import VLLMConnectorConfig
 from .device import PassClock, Streams
 from .drafters import drafter_layers
+from .keys import group_windows
 from .layout import BlockLayout, block_index, learn_layout
 from .loads import FP8_FORMATS, TORCH_DTYPES, Load, Restores
 from .shard import Shard, shard_of
-from .specs import NULL_BLOCK, KVCloudWorkerMeta, SaveChunk, SaveSpec, group_ids
+from .specs import NULL_BLOCK, KVCloudWorkerMeta, SaveChunk, SaveSpec, group_ids, whole_failures
 from .uploader import Uploader
 
 if TYPE_CHECKING:
@@ -87,6 +88,16 @@ class _BufferPool:
         with self._lock:
             if len(self._free) < self.keep:
                 self._free.append(buf)
+
+
+def sharing_group(name: str, layer: Any, group_of: dict[str, int]) -> int:
+    """The KV cache group of a layer that is in none: one reading another layer's KV
+    (vLLM's KV sharing, as in Gemma 3n) joins the groups only after the connector is made;
+    its KV is its target's, addressed by the target group's block ids."""
+    target = getattr(layer, "kv_sharing_target_layer_name", None)
+    if target not in group_of:
+        raise ConfigError(f"layer {name} is in no KV cache group (vLLM's kv_cache_groups)")
+    return group_of[target]
 
 
 class WorkerSide(Restores):
@@ -156,6 +167,7 @@ class WorkerSide(Restores):
             for name in getattr(group, "layer_names", ())
         }
         self.groups = max(1, len(getattr(kv_cache_config, "kv_cache_groups", None) or []))
+        self.whole_failures = whole_failures(group_windows(kv_cache_config))
         self.layouts: dict[str, BlockLayout] = {}
         self._pending_saves: list[SaveSpec] = []  # this step's, from start_load_kv
         # the engine's device, learned from its caches (register_kv_caches)
@@ -198,6 +210,8 @@ class WorkerSide(Restores):
             if cache.dtype != want:
                 raise ConfigError(f"layer {name}: KV cache is {cache.dtype}, expected {want}")
             layer = context[name]
+            if self.groups > 1 and name not in self.group_of:
+                self.group_of[name] = sharing_group(name, layer, self.group_of)
             key = (tuple(cache.shape), cache.stride(), cache.dtype, type(layer.impl).__name__)
             layout = learned.get(key)
             if layout is None:
