@@ -4,7 +4,9 @@
 - the overrides are part of the namespace: a plain SmolLM2 never restores what the
   sliding-window one pushed (and answers like a vLLM without the connector);
 - a sliding-window restore skips vLLM's null block (the blocks out of the window) and
-  answers like a vLLM without the connector with the same overrides.
+  answers like a vLLM without the connector with the same overrides;
+- a sliding-window restore that fails is recomputed whole (vLLM's hybrid allocator is on:
+  one KV cache group, all of it sliding), and answers like that vLLM too.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvcloud import Namespace
+from kvcloud import KVCloud, Namespace
 from scripts.vllm_fleet import VLLMServer, cached_tokens, kvcloud_transfer_config
 from tests.vllm.conftest import embedded_env, prompt_tokens, serving
 from tests.vllm.helpers import assert_same_answer, connector_namespace, wait_stored
@@ -104,3 +106,33 @@ def test_a_sliding_window_restore_answers_like_no_connector(
     assert after.get("loaded_tokens", 0) > before.get("loaded_tokens", 0)
     assert after.get("load_failed_blocks", 0) == before.get("load_failed_blocks", 0)
     assert_same_answer(got, swr.complete(turn, max_tokens=16), "sliding window, restored")
+
+
+def test_a_failed_sliding_window_restore_recomputes_the_whole_request(
+    servers: dict[str, VLLMServer], store: dict[str, str]
+) -> None:
+    """The last chunk of a restore is corrupt. vLLM put its null block behind the window of
+    the restore point (tokens before 1,280 - 512), so a recompute from that chunk's first
+    block would attend over null blocks inside its own window: the restore is reported
+    failed as a whole request, recomputed from its first token, and answers right."""
+    sw, swr = servers["SW"], servers["SWR"]
+    ns = sliding_namespace()
+    prompt = prompt_tokens(1400, seed=503)
+    sw.complete(prompt, max_tokens=1)
+    assert wait_stored(store, prompt, ns=ns) == 5
+    with KVCloud.open(
+        store=store["KVCLOUD_STORE"], index=store["KVCLOUD_INDEX"], secret=store["KVCLOUD_SECRET"]
+    ) as k:
+        key = k.lookup(ns, prompt[: 5 * CHUNK]).chunks[4].entry.object_key
+        data = bytearray(k.store.get(key))
+        data[-100] ^= 0x01
+        k.store.delete(key)
+        k.store.put(key, bytes(data))
+    httpx.post(sw.url + "/reset_prefix_cache", timeout=30).raise_for_status()
+    before = sw.metrics()
+    turn = [*prompt, *prompt_tokens(30, seed=504)]
+    got = sw.complete(turn, max_tokens=16)
+    after = sw.metrics()
+    assert after.get("restores_failed_whole", 0) - before.get("restores_failed_whole", 0) == 1
+    assert after.get("load_failed_blocks", 0) > before.get("load_failed_blocks", 0)
+    assert_same_answer(got, swr.complete(turn, max_tokens=16), "sliding window, failed restore")
