@@ -24,7 +24,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 
 def build(out: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
+    return save_with_tokenizer(LlamaForCausalLM(tiny_config()), out)
+
+
+def tiny_config() -> LlamaConfig:
+    """4 layers, 4 attention heads over 2 KV heads of 64, SmolLM2's vocabulary."""
+    return LlamaConfig(
         vocab_size=49_152,
         hidden_size=256,
         intermediate_size=512,
@@ -42,7 +47,6 @@ def build(out: Path, seed: int = 0) -> Path:
         # whatever the context: greedy text must depend on every position's KV
         initializer_range=0.1,
     )
-    return save_with_tokenizer(LlamaForCausalLM(cfg), out)
 
 
 def save_with_tokenizer(model: PreTrainedModel, out: Path) -> Path:

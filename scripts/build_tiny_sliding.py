@@ -15,11 +15,11 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.build_tiny_llama import save_with_tokenizer
+from scripts.build_tiny_llama import save_with_tokenizer, tiny_config
 
 # longer than a chunk (256 tokens) plus a block: a chunk completed while decoding still has
 # all its blocks in the window when its step copies it (shorter windows lose those saves)
@@ -28,26 +28,11 @@ WINDOW = 320
 
 def build(out: Path, window: int = WINDOW, seed: int = 0) -> Path:
     torch.manual_seed(seed)
-    layers = 4
-    cfg = LlamaConfig(
-        vocab_size=49_152,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        initializer_range=0.1,  # (see build_tiny_llama.py)
-    )
+    cfg = tiny_config()  # scripts/build_tiny_llama.py's model, its layers then made to alternate
     # vLLM's Llama reads both (model_executor/models/llama.py): even layers slide
     cfg.layer_types = [
-        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+        "sliding_attention" if i % 2 == 0 else "full_attention"
+        for i in range(cfg.num_hidden_layers)
     ]
     cfg.sliding_window = window
     return save_with_tokenizer(LlamaForCausalLM(cfg), out)

@@ -71,6 +71,21 @@ def objects_per_chunk(store: dict[str, str], ns: Any, tokens: list[int]) -> list
         return [len(ref.entry.keys) for ref in k.lookup(ns, tokens).chunks]
 
 
+def corrupt_chunk(store: dict[str, str], ns: Any, tokens: list[int], position: int) -> None:
+    """Flip one bit in the last layer of the object of chunk ``position`` of ``tokens``
+    (found by a plain lookup), so the chunk fails verification when it is pulled."""
+    from kvcloud import KVCloud
+
+    with KVCloud.open(
+        store=store["KVCLOUD_STORE"], index=store["KVCLOUD_INDEX"], secret=store["KVCLOUD_SECRET"]
+    ) as k:
+        key = k.lookup(ns, tokens).chunks[position].entry.object_key
+        data = bytearray(k.store.get(key))
+        data[-100] ^= 0x01
+        k.store.delete(key)
+        k.store.put(key, bytes(data))
+
+
 def plant_kv(
     store: dict[str, str], victim: list[int], donor: list[int], tenant: str = "default"
 ) -> int:

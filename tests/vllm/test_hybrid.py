@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcloud import KVCloud, Namespace
+from kvcloud import Namespace
 from kvcloud.integrations.vllm.keys import checkpoint_digest
 from scripts.vllm_fleet import (
     SLIDING,
@@ -30,7 +30,7 @@ from scripts.vllm_fleet import (
     kvcloud_transfer_config,
 )
 from tests.vllm.conftest import embedded_env, prompt_tokens, serving
-from tests.vllm.helpers import assert_same_answer, wait_stored
+from tests.vllm.helpers import assert_same_answer, corrupt_chunk, wait_stored
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -124,14 +124,7 @@ def test_a_failed_restore_recomputes_the_whole_request(
     prompt = prompt_tokens(3 * CHUNK + 30, seed=43)
     a.complete(prompt, max_tokens=2)
     assert wait_stored(store, prompt[: 3 * CHUNK], ns=ns) == 3
-    with KVCloud.open(
-        store=store["KVCLOUD_STORE"], index=store["KVCLOUD_INDEX"], secret=store["KVCLOUD_SECRET"]
-    ) as k:
-        key = k.lookup(ns, prompt[: 3 * CHUNK]).chunks[1].entry.object_key
-        data = bytearray(k.store.get(key))
-        data[-100] ^= 0x01
-        k.store.delete(key)
-        k.store.put(key, bytes(data))
+    corrupt_chunk(store, ns, prompt[: 3 * CHUNK], 1)
     before = b.metrics()
     asked = [*prompt, 5, 6]
     got = b.complete(asked, max_tokens=16)

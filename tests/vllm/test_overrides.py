@@ -19,10 +19,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvcloud import KVCloud, Namespace
+from kvcloud import Namespace
 from scripts.vllm_fleet import VLLMServer, cached_tokens, kvcloud_transfer_config
 from tests.vllm.conftest import embedded_env, prompt_tokens, serving
-from tests.vllm.helpers import assert_same_answer, connector_namespace, wait_stored
+from tests.vllm.helpers import (
+    assert_same_answer,
+    connector_namespace,
+    corrupt_chunk,
+    wait_stored,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -120,14 +125,7 @@ def test_a_failed_sliding_window_restore_recomputes_the_whole_request(
     prompt = prompt_tokens(1400, seed=503)
     sw.complete(prompt, max_tokens=1)
     assert wait_stored(store, prompt, ns=ns) == 5
-    with KVCloud.open(
-        store=store["KVCLOUD_STORE"], index=store["KVCLOUD_INDEX"], secret=store["KVCLOUD_SECRET"]
-    ) as k:
-        key = k.lookup(ns, prompt[: 5 * CHUNK]).chunks[4].entry.object_key
-        data = bytearray(k.store.get(key))
-        data[-100] ^= 0x01
-        k.store.delete(key)
-        k.store.put(key, bytes(data))
+    corrupt_chunk(store, ns, prompt[: 5 * CHUNK], 4)
     httpx.post(sw.url + "/reset_prefix_cache", timeout=30).raise_for_status()
     before = sw.metrics()
     turn = [*prompt, *prompt_tokens(30, seed=504)]

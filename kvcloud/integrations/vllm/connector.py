@@ -35,7 +35,7 @@ from .metadata import (
 )
 from .scheduler import SchedulerSide
 from .shard import Shard, shard_of
-from .specs import KVCloudWorkerMeta, StepSpec
+from .specs import KVCloudWorkerMeta, StepSpec, whole_failures
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -207,7 +207,7 @@ class KVCloudConnector(KVConnectorBase_V1, SupportsHMA):
             ns.chunk_tokens,
             cfg.write_policy,
         )
-        if len(windows) > 1 or any(windows):
+        if whole_failures(windows):
             log.info(
                 "kvcloud connector: %d KV cache groups (%s), vLLM's hybrid allocator on: "
                 "a chunk is stored whole in every group, a sliding group restored inside its "
@@ -301,8 +301,8 @@ class KVCloudConnector(KVConnectorBase_V1, SupportsHMA):
             return None, None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        # several KV cache groups: a failed restore is reported as its request failed
-        # (vLLM recomputes it whole); a block id names no group (vLLM raises on them)
+        # several KV cache groups or a sliding one (specs.whole_failures): a failed restore
+        # is reported as its request failed, and vLLM recomputes it whole
         sending, recving = self.get_finished(finished_req_ids)
         failed: set[str] = set()
         if self._worker is not None:

@@ -192,7 +192,7 @@ class Restores:
         self._ring: StagingRing | None = None  # host staging, made on first use
         self._ring_lock = threading.Lock()
         self._failed_blocks: set[int] = set()
-        self._failed_requests: set[str] = set()  # the same, by request (several groups)
+        self._failed_requests: set[str] = set()  # the same, by request (whole_failures)
         self.store_breaker = cfg.breaker("store", clock, self._breaker_changed)
         self._bad_objects = Expiring()  # object keys, until (clock)
         self._new_bad: dict[str, float] = {}  # not yet reported to the scheduler
@@ -580,7 +580,7 @@ class Restores:
             self._failed_blocks.update(b for ids in failed for b in ids)
 
     def take_failed_requests(self) -> set[str]:
-        """Requests whose restore failed (several KV cache groups), since the last call."""
+        """Requests whose restore failed (``whole_failures``), since the last call."""
         failed, self._failed_requests = self._failed_requests, set()
         return failed
 
