@@ -20,10 +20,15 @@ SLIDING := .cache/models/tiny-sliding
 LMCACHE_VENV := .venv-lmcache
 LMCACHE_STAMP := $(LMCACHE_VENV)/.installed
 LMCACHE_PIN := lmcache==0.5.6
+# checkov (the Kubernetes manifests' policy scan, tests/deploy) in a virtualenv of its own: it
+# pins boto3 and packaging below what the core's dev tools need
+DEPLOY_VENV := .venv-deploy
+DEPLOY_STAMP := $(DEPLOY_VENV)/.installed
+CHECKOV_PIN := checkov==3.3.30
 LMCACHE_DEPS := aiofile aiofiles awscrt nvtx redis sortedcontainers setuptools_scm cachetools \
 	opentelemetry-exporter-prometheus==0.66b2
 
-.PHONY: install install-vllm install-lmcache smollm2 demo demo-vllm test bench bench-vllm \
+.PHONY: install install-vllm install-lmcache install-deploy smollm2 demo demo-vllm test bench bench-vllm \
 	bench-vllm-load bench-vllm-load-paired lint format clean reliability
 
 install: $(STAMP)
@@ -79,6 +84,15 @@ $(LMCACHE_STAMP):
 
 install-lmcache: $(LMCACHE_STAMP)
 
+$(DEPLOY_STAMP):
+	test -x $(DEPLOY_VENV)/bin/python || $(PY) -m venv $(DEPLOY_VENV)
+	$(DEPLOY_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(DEPLOY_VENV)/bin/python -m pip install --quiet "$(CHECKOV_PIN)"
+	$(DEPLOY_VENV)/bin/checkov --version
+	touch $(DEPLOY_STAMP)
+
+install-deploy: $(DEPLOY_STAMP)
+
 demo-vllm: install install-vllm
 	$(BIN)/python scripts/demo_vllm.py
 
@@ -99,7 +113,7 @@ bench-vllm-load-paired: install install-vllm
 demo: install
 	$(BIN)/python -m workers.demo $(DEMO_ARGS)
 
-test: install install-vllm
+test: install install-vllm install-deploy
 	scripts/system-deps.sh
 	redis-server --version
 	prometheus --version 2>&1 | head -n 1
@@ -117,7 +131,7 @@ format: install
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .kvcloud-demo .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(DEPLOY_VENV) .kvcloud-demo .pytest_cache
 
 reliability: install
 	$(BIN)/python scripts/reliability_report.py --out docs/RELIABILITY.md

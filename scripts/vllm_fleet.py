@@ -127,6 +127,9 @@ class VLLMServer:
     # of three. For the tests' no-connector references only: a connector's worker side and
     # its stop run in the deployed shape, and a benchmark's no-connector baseline must too
     in_process: bool = False
+    # the working directory (the repository by default; elsewhere, to run an installed
+    # kvcloud with no source tree on the path)
+    cwd: Path = ROOT
 
     @property
     def url(self) -> str:
@@ -171,7 +174,7 @@ class VLLMServer:
             env=vllm_env(
                 {**self.env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if self.in_process else self.env
             ),
-            cwd=ROOT,
+            cwd=self.cwd,
             start_new_session=True,
         )
         log.close()

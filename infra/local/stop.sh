@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Stops the stack infra/local/start.sh started: Prometheus and the stats exporter, then the
-# workers (SIGTERM, so they flush every session to the store while it is still up), then
-# moto_server and redis-server.
+# workers and the vLLMs (SIGTERM, so they flush every session and store the last answers'
+# chunks while the store is still up), then SeaweedFS and redis-server.
 # Idempotent: stopping a stopped stack does nothing and succeeds.
 #
 # Settings (environment):
@@ -19,7 +19,8 @@ expected_command() {
         worker1 | worker2) echo "kvcloud-worker" ;;
         exporter) echo "kvcloud stats" ;;
         prometheus) echo "prometheus" ;;
-        s3) echo "moto_server" ;;
+        vllm1 | vllm2) echo "vllm.entrypoints.openai.api_server" ;;
+        s3) echo "weed server" ;;
         redis) echo "redis-server" ;;
         *) echo "" ;;
     esac
@@ -71,7 +72,7 @@ fi
 stop_one prometheus
 stop_one exporter
 worker_pids=()
-for name in worker1 worker2; do
+for name in worker1 worker2 vllm1 vllm2; do
     stop_one "$name" &
     worker_pids+=("$!")
 done

@@ -37,7 +37,13 @@ from .digests import (
     digest_matches,
     object_key,
 )
-from .encode import EncodedSegment, SegmentParts, encode_segment, encode_segment_parts
+from .encode import (
+    EncodedSegment,
+    SegmentParts,
+    encode_segment,
+    encode_segment_parts,
+    encoded_size,
+)
 from .header import (
     DIGEST_ALGS,
     MAGIC,
@@ -79,6 +85,7 @@ __all__ = [
     "digest_matches",
     "encode_segment",
     "encode_segment_parts",
+    "encoded_size",
     "object_key",
     "part_layout",
     "part_record_fp",

@@ -78,16 +78,22 @@ def _layer_digests(kv: np.ndarray, plain: list[memoryview] | None = None) -> lis
     return out
 
 
-def _seal(
-    header: dict[str, Any], parts: list[memoryview], plain_len: int, key: TenantKey, alg: str
-) -> EncodedSegment:
-    """Encrypt the payload parts under ``key`` and build the object around them."""
+def _sealed_fields(header: dict[str, Any], plain_len: int, key: TenantKey) -> None:
+    """An encrypted object's header fields as they are before its payload is encrypted:
+    the nonce and the digest table are placeholders of the size they will have."""
     header["enc"] = {"alg": ALG, "kid": key.key_id, "nonce": bytes(NONCE_BYTES)}
     header["payload_len"] = plain_len + TAG_BYTES
     if header["v"] >= 3:
         # a placeholder of the same packed size: the table covers the ciphertext, known
         # only once it is written after the header (neither is part of the AAD)
         header["ld"] = [bytes(PIECE_DIGEST_BYTES)]
+
+
+def _seal(
+    header: dict[str, Any], parts: list[memoryview], plain_len: int, key: TenantKey, alg: str
+) -> EncodedSegment:
+    """Encrypt the payload parts under ``key`` and build the object around them."""
+    _sealed_fields(header, plain_len, key)
     # the AAD comes from the parsed header, exactly as the decoder will rebuild it; the
     # placeholder nonce does not matter because the nonce is not part of the AAD
     aad = parse_header(header).aad()
@@ -218,6 +224,37 @@ def encode_segment(
         data = b"".join([PREFIX.pack(MAGIC, len(hbytes)), hbytes, payload])
     digest = content_digest(data, alg)
     return EncodedSegment(digest=digest, data=data, header=parse_header(header))
+
+
+def encoded_size(
+    ns: Namespace,
+    n_tokens: int | None = None,
+    *,
+    key: TenantKey | None = None,
+    version: int = SEGMENT_VERSION,
+    heads: tuple[int, int] | None = None,
+    layers: tuple[int, int] | None = None,
+) -> int:
+    """The size of the object ``encode_segment`` writes for a raw chunk of ``n_tokens``
+    (default: a full chunk) with these arguments, without encoding one (sizing tools).
+
+    The header is built by the encoder's own code from a stand-in of the chunk's shape with
+    no memory behind it; every field of a raw object's header has a packed size that does
+    not depend on the KV's values (fingerprints and digests are fixed-width), so zeros in
+    their place give the exact size. Other codecs' sizes depend on the KV itself.
+    """
+    n = ns.chunk_tokens if n_tokens is None else n_tokens
+    n_layers, n_heads, dim = part_layout(ns, heads, layers)
+    kv = np.broadcast_to(np.zeros((), ns.dtype_info.storage), (n_layers, 2, n, n_heads, dim))
+    zero_fp = bytes(FP_BYTES)
+    _, header, _ = _new_header(ns, zero_fp, zero_fp, kv, "raw", version, heads, layers)
+    if key is not None:
+        _sealed_fields(header, header["raw_len"], key)
+    else:
+        header["payload_len"] = header["raw_len"]
+        if version >= 3:
+            header["ld"] = [bytes(PIECE_DIGEST_BYTES)] * n_layers  # _layer_digests' table
+    return PREFIX.size + len(_pack_header(header)) + int(header["payload_len"])
 
 
 @dataclass(frozen=True)

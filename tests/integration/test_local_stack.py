@@ -1,4 +1,4 @@
-"""infra/local/start.sh and stop.sh: the no-docker stack (redis-server, moto_server, two
+"""infra/local/start.sh and stop.sh: the no-docker stack (redis-server, SeaweedFS, two
 workers, the stats exporter, Prometheus when installed) comes up, moves a session between its
 workers, answers ``kvcloud stats``, shows the move in the exporter's and Prometheus's figures,
 and stops without leaving a process behind."""
@@ -161,6 +161,33 @@ def _check_monitoring(state: Path, ports: dict[str, int]) -> None:
     )
 
 
+def _check_s3_server(exports: dict[str, str]) -> None:
+    """The stack's S3 is a real server (SeaweedFS) that honours conditional writes, and the
+    user kvcloud gets is limited to its bucket."""
+    import boto3
+    from botocore.exceptions import ClientError
+
+    from kvcloud.stores import S3Config
+
+    cfg = S3Config.from_url(exports["KVCLOUD_STORE"], env={})
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=cfg.endpoint_url,
+        region_name="us-east-1",
+        aws_access_key_id=exports["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=exports["AWS_SECRET_ACCESS_KEY"],
+    )
+    s3.put_object(Bucket=cfg.bucket, Key="probe", Body=b"first")
+    with pytest.raises(ClientError) as refused:
+        s3.put_object(Bucket=cfg.bucket, Key="probe", Body=b"second", IfNoneMatch="*")
+    assert refused.value.response["Error"]["Code"] == "PreconditionFailed"
+    assert s3.get_object(Bucket=cfg.bucket, Key="probe")["Body"].read() == b"first"
+    s3.delete_object(Bucket=cfg.bucket, Key="probe")
+    with pytest.raises(ClientError) as denied:
+        s3.create_bucket(Bucket="not-kvclouds")
+    assert denied.value.response["Error"]["Code"] == "AccessDenied"
+
+
 def test_local_stack_moves_a_session_and_stops_cleanly(
     stack: tuple[dict[str, str], dict[str, int]],
 ) -> None:
@@ -207,6 +234,7 @@ def test_local_stack_moves_a_session_and_stops_cleanly(
     report = json.loads(stats.stdout)
     assert report["entries"] > 0 and report["objects"] > 0 and report["sessions"] >= 1
 
+    _check_s3_server(exports)
     _check_monitoring(state, ports)
 
     stopped = subprocess.run(

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 ENV_EXAMPLE = ROOT / ".env.example"
 REDIS_CONF = ROOT / "infra" / "redis" / "redis.conf"
-DOCKERFILE = ROOT / "infra" / "Dockerfile"
+DOCKERFILE = ROOT / "infra" / "images" / "worker" / "Dockerfile"
 LOCAL = ROOT / "infra" / "local"
 PROMETHEUS_YML = ROOT / "infra" / "prometheus" / "prometheus.yml"
 GRAFANA = ROOT / "infra" / "grafana"
@@ -190,7 +190,8 @@ def test_services_healthchecks_and_named_volumes(compose: dict[str, Any]) -> Non
         deps = services[worker]["depends_on"]
         assert deps["minio-init"]["condition"] == "service_completed_successfully"
         assert deps["redis"]["condition"] == "service_healthy"
-        assert services[worker]["build"]["dockerfile"] == "infra/Dockerfile"
+        image = "tools" if worker == EXPORTER else "worker"
+        assert services[worker]["build"]["dockerfile"] == f"infra/images/{image}/Dockerfile"
     assert services["grafana"]["depends_on"]["prometheus"]["condition"] == "service_healthy"
 
 
@@ -205,19 +206,22 @@ def test_images_are_pinned(compose: dict[str, Any]) -> None:
     assert compose["services"]["minio-init"]["image"].startswith("minio/mc:RELEASE.")
     assert compose["services"]["prometheus"]["image"].startswith("prom/prometheus:v")
     assert compose["services"]["grafana"]["image"].startswith("grafana/grafana:")
-    # the exporter is the workers' image (the `kvcloud` command is installed next to the worker)
-    assert compose["services"][EXPORTER]["image"] == compose["services"]["worker-1"]["image"]
+    # the exporter runs the operator tools' image (the `kvcloud` command, no PyTorch)
+    assert compose["services"][EXPORTER]["image"].startswith("kvcloud/tools:")
 
 
 def test_dockerfile_installs_pinned_cpu_torch_and_the_worker() -> None:
     text = DOCKERFILE.read_text()
     torch_pin = re.search(r"TORCH_PIN := (\S+)", (ROOT / "Makefile").read_text())
     assert torch_pin is not None
-    assert "python:3.11-slim" in text
-    assert f"pip install {torch_pin.group(1)} --index-url https://download.pytorch.org/whl/cpu" in (
-        text
+    assert "python:3.11" in text and "-slim" in text
+    assert (
+        f"pip install --no-cache-dir {torch_pin.group(1)} "
+        "--index-url https://download.pytorch.org/whl/cpu" in text
     )
-    assert '".[s3,redis,worker]"' in text
+    # kvcloud from its own wheel, built in the first stage
+    assert "pip wheel --no-cache-dir --no-deps --wheel-dir /dist ." in text
+    assert "py3-none-any.whl[s3,redis,worker]" in text
     assert re.search(r'CMD \["kvcloud-worker", "serve", "--host", "0.0.0.0"', text)
 
 
@@ -356,7 +360,7 @@ def test_prometheus_scrapes_the_workers_and_the_exporter(
 
     config = yaml.safe_load(PROMETHEUS_YML.read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
-    assert set(jobs) == {"kvcloud-worker", "kvcloud-stats"}
+    assert set(jobs) == {"kvcloud-worker", "kvcloud-stats", "vllm"}
 
     def targets(job: dict[str, Any]) -> set[str]:
         assert job.get("metrics_path", "/metrics") == "/metrics"
@@ -368,6 +372,10 @@ def test_prometheus_scrapes_the_workers_and_the_exporter(
     assert targets(jobs["kvcloud-stats"]) == {f"{EXPORTER}:{exporter_port}"}
     # scraping the exporter faster than it rescans only repeats the same figures
     assert int(jobs["kvcloud-stats"]["scrape_interval"].rstrip("s")) >= 30
+    # every vLLM service of the gpu and cpu profiles, on the port its command serves
+    vllm = {n for n, s in services.items() if n.startswith("vllm-")}
+    assert vllm and all("--port" in services[n]["command"] for n in vllm)
+    assert targets(jobs["vllm"]) == {f"{n}:{_flag(services[n]['command'], '--port')}" for n in vllm}
 
     promtool = shutil.which("promtool")
     if promtool:
@@ -484,7 +492,7 @@ def test_local_scripts_are_strict_bash(name: str) -> None:
     if shutil.which("shellcheck"):
         subprocess.run(["shellcheck", str(script)], check=True)
     if name == "start.sh":
-        assert "infra/redis/redis.conf" in text and "moto_server" in text
+        assert "infra/redis/redis.conf" in text and '/bin/weed" server' in text
         assert '"${KVCLOUD_WORKER_MODEL:-small}"' in text
         assert '"$VENV/bin/kvcloud" stats --serve' in text
         assert "file_sd_configs" in text and "$STATE/prometheus/targets/*.json" in text

@@ -35,6 +35,9 @@ def loaded_after(*modules: str) -> list[str]:
         # when vLLM itself asks for the KVCloudConnector class
         ("kvcloud.integrations.vllm", "kvcloud.integrations.vllm.config"),
         ("kvcloud.integrations.vllm.keys",),
+        # the command line, ``kvcloud size`` included (it reads the connector's settings,
+        # shards and uploader, never its torch side)
+        ("kvcloud.tools.cli", "kvcloud.tools.sizing"),
     ],
 )
 def test_kvcloud_imports_no_torch_or_transformers(modules: tuple[str, ...]) -> None:

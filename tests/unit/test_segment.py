@@ -30,6 +30,8 @@ from kvcloud.segment import (
     decode_segment,
     digest_from_key,
     encode_segment,
+    encode_segment_parts,
+    encoded_size,
     read_header,
     read_segment_into,
 )
@@ -519,3 +521,21 @@ def test_hostile_encrypted_headers_only_typed_errors_bounded_memory(
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
     assert peak < 4 * len(data) + 2 * ns.chunk_bytes + (1 << 20), peak
+
+
+@pytest.mark.parametrize("dtype", [*DTYPE_CASES, "float8_e4m3fn"])
+@pytest.mark.parametrize("version", [1, 2, 3])
+@pytest.mark.parametrize("encrypted", [False, True])
+def test_encoded_size_is_the_encoders_length(dtype: str, version: int, encrypted: bool) -> None:
+    """``encoded_size`` (what sizing tools use, without encoding) is the length of the object
+    the encoder writes, whole or in parts, full chunk or short, plain or encrypted."""
+    ns = make_ns(dtype, num_layers=3, num_kv_heads=4)
+    key = _DKEY if encrypted else None
+    fp = bytes(range(32))
+    for heads, n in ((None, 16), ((0, 2), 16), ((2, 4), 16), (None, 5)):
+        width = ns.num_kv_heads if heads is None else heads[1] - heads[0]
+        kv = make_kv(ns, n)[:, :, :, :width]
+        seg = encode_segment(ns, fp, ns.digest, kv, key=key, version=version, heads=heads)
+        parts = encode_segment_parts(ns, fp, ns.digest, kv, key=key, version=version, heads=heads)
+        size = encoded_size(ns, n, key=key, version=version, heads=heads)
+        assert size == len(seg.data) == parts.size, (heads, n)

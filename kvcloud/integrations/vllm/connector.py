@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from ... import __version__
 from ...client import KVCloud
 from ...errors import ConfigError, KVCloudError
 from ...namespace import Namespace
@@ -193,8 +194,9 @@ class KVCloudConnector(KVConnectorBase_V1, SupportsHMA):
                 shard=shard,
             )
         log.info(
-            "kvcloud connector (%s): store %s, index %s, namespace %s (%s, %d layers, "
+            "kvcloud %s connector (%s): store %s, index %s, namespace %s (%s, %d layers, "
             "%d KV heads × %d, %s, chunk %d tokens), writes %s",
+            __version__,
             role.name.lower(),
             client.store.url,
             client.index.url,

@@ -1,4 +1,4 @@
-"""The ``kvcloud`` command line: estimate, stats, ls, inspect, verify, gc, bench, doctor.
+"""The ``kvcloud`` command line: estimate, size, stats, ls, inspect, verify, gc, bench, doctor.
 
 Every command takes ``--json`` for scripts. Backend commands take ``--store``/``--index``
 (default: KVCLOUD_STORE / KVCLOUD_INDEX). Errors print one line, never a traceback.
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from ... import __version__
 from ...errors import KVCloudError
-from . import bench, doctor, estimate, maintenance, objects, stats
+from . import bench, doctor, estimate, maintenance, objects, size, stats
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"kvcloud {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     # the order of the commands in --help
-    for area in (estimate, stats, objects, maintenance, doctor, bench):
+    for area in (estimate, size, stats, objects, maintenance, doctor, bench):
         area.add_parsers(sub)
     return p
 
