@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 IMAGES = ROOT / "infra" / "images"
 NAMES = ("worker", "tools", "vllm-gpu", "vllm-cpu")
 MAKEFILE = (ROOT / "Makefile").read_text()
+HADOLINT = shutil.which("hadolint") or str(ROOT / ".venv" / "bin" / "hadolint")
 
 
 def dockerfile(name: str) -> str:
@@ -54,9 +55,8 @@ def test_every_image_has_a_folder_a_dockerfile_and_a_readme() -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_hadolint_finds_nothing(name: str) -> None:
-    hadolint = shutil.which("hadolint") or str(Path(__file__).parents[2] / ".venv/bin/hadolint")
     r = subprocess.run(
-        [hadolint, "--format", "json", str(IMAGES / name / "Dockerfile")],
+        [HADOLINT, "--format", "json", str(IMAGES / name / "Dockerfile")],
         capture_output=True,
         text=True,
         timeout=60,
@@ -76,9 +76,8 @@ def test_hadolint_finds_nothing(name: str) -> None:
 
 def test_hadolint_is_real() -> None:
     """The lint above can fail: an unpinned base run as root is reported."""
-    hadolint = shutil.which("hadolint") or str(ROOT / ".venv/bin/hadolint")
     r = subprocess.run(
-        [hadolint, "--format", "json", "-"],
+        [HADOLINT, "--format", "json", "-"],
         input="FROM python\nRUN pip install requests\n",
         capture_output=True,
         text=True,

@@ -18,6 +18,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.local_stack import alive, stack_exports
 from tests.servers import free_port
 
 pytestmark = [
@@ -30,15 +31,6 @@ START = ROOT / "infra" / "local" / "start.sh"
 STOP = ROOT / "infra" / "local" / "stop.sh"
 GEN = {"max_tokens": 8, "temperature": 0, "return_token_ids": True, "ignore_eos": True}
 HAVE_PROMETHEUS = shutil.which("prometheus") is not None
-
-
-def _alive(pid: int) -> bool:
-    """The process exists and is not a zombie waiting to be reaped."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    return not any(line.startswith("State:") and "Z" in line for line in status.splitlines())
 
 
 def _pids(state: Path) -> dict[str, int]:
@@ -79,7 +71,7 @@ def stack(tmp_path: Path) -> Iterator[tuple[dict[str, str], dict[str, int]]]:
         pids = _pids(state) if (state / "pids").is_dir() else {}
         subprocess.run(["bash", str(STOP)], env=env, capture_output=True, timeout=60)
         for pid in pids.values():  # never leave a process behind, even when a test failed
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, 9)
 
 
@@ -196,7 +188,7 @@ def test_local_stack_moves_a_session_and_stops_cleanly(
     pids = _pids(state)
     expected = {"redis", "s3", "worker1", "worker2", "exporter"}
     assert set(pids) == expected | ({"prometheus"} if HAVE_PROMETHEUS else set())
-    assert all(_alive(pid) for pid in pids.values())
+    assert all(alive(pid) for pid in pids.values())
 
     w1 = httpx.Client(base_url=f"http://127.0.0.1:{ports['WORKER1']}", timeout=30)
     w2 = httpx.Client(base_url=f"http://127.0.0.1:{ports['WORKER2']}", timeout=30)
@@ -215,11 +207,7 @@ def test_local_stack_moves_a_session_and_stops_cleanly(
         assert second.json()["kvcloud"]["tokens_remote"] > 0
 
     # `kvcloud stats` against the stack, configured the way start.sh tells a user to
-    exports = {}
-    for line in (state / "env").read_text().splitlines():
-        if line.startswith("export "):
-            name, _, value = line.removeprefix("export ").partition("=")
-            exports[name] = value.strip("'")
+    exports = stack_exports(state)
     assert exports["KVCLOUD_STORE"].startswith("s3://")
     assert exports["KVCLOUD_INDEX"] == f"redis://127.0.0.1:{ports['REDIS']}/0"
     kvcloud = Path(sys.executable).with_name("kvcloud")
@@ -242,9 +230,9 @@ def test_local_stack_moves_a_session_and_stops_cleanly(
     )
     assert stopped.returncode == 0, stopped.stderr
     deadline = time.monotonic() + 5  # reaping may lag the exit a little
-    while any(_alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not [name for name, pid in pids.items() if _alive(pid)]
+    assert not [name for name, pid in pids.items() if alive(pid)]
     assert not list((state / "pids").glob("*.pid"))
     # idempotent
     again = subprocess.run(["bash", str(STOP)], env=env, capture_output=True, timeout=30)

@@ -37,6 +37,7 @@ from scripts.vllm_fleet import (
     VLLMServer,
     connector_namespace,
 )
+from tests.local_stack import alive, stack_exports
 from tests.servers import free_port
 from tests.vllm.conftest import prompt_tokens
 from tests.vllm.helpers import restore_and_compare, wait_stored
@@ -206,23 +207,11 @@ def fleet(
         subprocess.run(["bash", str(STOP)], env=env, capture_output=True, timeout=300)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    return not any(line.startswith("State:") and "Z" in line for line in status.splitlines())
-
-
 def test_local_fleet_from_the_wheel_shares_kv_through_s3_and_redis(
     fleet: tuple[dict[str, str], dict[str, int], Path], reference: VLLMServer
 ) -> None:
     env, ports, state = fleet
-    exports = {}
-    for line in (state / "env").read_text().splitlines():
-        if line.startswith("export "):
-            name, _, value = line.removeprefix("export ").partition("=")
-            exports[name] = value.strip("'")
+    exports = stack_exports(state)
     one = VLLMServer("local-1", state / "logs" / "vllm1.log", port=ports["VLLM1"])
     two = VLLMServer("local-2", state / "logs" / "vllm2.log", port=ports["VLLM2"])
     for server in (one, two):
@@ -276,6 +265,6 @@ def test_local_fleet_from_the_wheel_shares_kv_through_s3_and_redis(
     order = [line.split()[1] for line in stopped.stdout.splitlines() if line.startswith("stopped")]
     assert max(order.index("vllm1"), order.index("vllm2")) < order.index("s3"), order
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids.values()) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [name for name, pid in pids.items() if _alive(pid)]
+    assert not [name for name, pid in pids.items() if alive(pid)]
