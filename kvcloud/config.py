@@ -102,8 +102,9 @@ class KVCloudConfig:
     connect_timeout: float = field(default=2.0, metadata={"env": "KVCLOUD_CONNECT_TIMEOUT"})
     """Seconds to establish a connection to the store or index."""
 
-    read_timeout: float = field(default=10.0, metadata={"env": "KVCLOUD_READ_TIMEOUT"})
-    """Seconds to wait for a response once connected."""
+    read_timeout: float = field(default=5.0, metadata={"env": "KVCLOUD_READ_TIMEOUT"})
+    """Seconds to wait for a response once connected (the same default as the vLLM
+    connector's: one variable, one meaning)."""
 
     fsync: bool = field(default=False, metadata={"env": "KVCLOUD_FSYNC"})
     """file:// store: fsync objects and their directory before an entry is written."""

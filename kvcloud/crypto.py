@@ -1,6 +1,6 @@
 """Encryption at rest: per-tenant data keys and the AEAD that seals a segment's payload.
 
-Scheme (``enc.alg = "aes-256-gcm"`` in the segment header, DESIGN §5):
+Scheme (``enc.alg = "aes-256-gcm"`` in the segment header, the object format):
 
 - **Keys.** A tenant's data key is derived where the master secret lives, with HKDF-SHA256
   over ``KVCLOUD_SECRET`` and the tenant id; callers never pass keys. HKDF yields 64 bytes:
@@ -16,7 +16,7 @@ Scheme (``enc.alg = "aes-256-gcm"`` in the segment header, DESIGN §5):
   happen short of a 96-bit HMAC collision. The price is one equality leak: someone who can
   read the store sees that two of one tenant's objects are identical (which the content
   address already shows), never across tenants.
-- **Why GCM and not AES-GCM-SIV.** The issue and DESIGN §5 name AES-256-GCM; OpenSSL's
+- **Why GCM and not AES-GCM-SIV.** The object format names AES-256-GCM; OpenSSL's
   AES-GCM-SIV measured ~0.4 GB/s against ~5 GB/s for GCM on the same core, is missing from
   older OpenSSL builds, and has no streaming interface, so pulls could not decrypt straight
   into KV pages.

@@ -16,6 +16,19 @@ class ConfigError(KVCloudError, ValueError):
     """A URL, option or environment variable is malformed or inconsistent."""
 
 
+class ProbeError(ConfigError):
+    """A store or index did not answer a real request (a probe write, read and delete) the
+    way a working deployment does. The message is one line: the redacted URL, what failed
+    and the fix; ``target`` ("store" or "index"), ``url`` and ``fix`` hold the parts."""
+
+    def __init__(self, target: str, url: str, what: str, fix: str) -> None:
+        super().__init__(f"{target} {url}: {what}; fix: {fix}")
+        self.target = target
+        self.url = url
+        self.what = what
+        self.fix = fix
+
+
 class LayoutError(KVCloudError, ValueError):
     """An array's shape or dtype does not match the namespace it is used with."""
 
@@ -117,6 +130,7 @@ __all__ = [
     "LayoutError",
     "MalformedHeaderError",
     "ObjectNotFoundError",
+    "ProbeError",
     "SessionNotFoundError",
     "StoreError",
     "StoreUnavailableError",

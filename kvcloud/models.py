@@ -19,7 +19,7 @@ class KVShape:
 
     @property
     def kv_dim(self) -> int:
-        """kv_heads × head_dim: the seed's ``512`` in its example."""
+        """kv_heads × head_dim: e.g. ``512`` for 4 KV heads of 128."""
         return self.num_kv_heads * self.head_dim
 
 

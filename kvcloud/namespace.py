@@ -152,7 +152,7 @@ class Namespace:
 
     @property
     def bytes_per_token(self) -> int:
-        """layers × 2 (K, V) × kv_heads × head_dim × bytes per element (the seed's formula)."""
+        """layers × 2 (K, V) × kv_heads × head_dim × bytes per element (the usual formula)."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype_info.itemsize
 
     @property
@@ -211,6 +211,15 @@ def derive_tenant_key(master_secret: bytes, tenant: str) -> bytes:
     return hmac.new(
         bytes(master_secret), b"kvcloud-tenant-v1\x00" + tenant.encode("utf-8"), hashlib.sha256
     ).digest()
+
+
+def key_id(master_secret: bytes, tenant: str) -> str:
+    """A public name for a tenant's fingerprint key: 12 hex digits of
+    HMAC-SHA256(tenant key, "kvcloud-key-id-v1"). Servers showing the same id compute the
+    same fingerprints (they share KV); the id is one-way, so printing it on a start line or
+    a dashboard reveals neither the key nor the secret."""
+    digest = hmac.new(derive_tenant_key(master_secret, tenant), b"kvcloud-key-id-v1", "sha256")
+    return digest.hexdigest()[:12]
 
 
 def tokens_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:

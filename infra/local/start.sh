@@ -351,6 +351,8 @@ global:
   scrape_interval: 2s
   scrape_timeout: 2s
   evaluation_interval: 2s
+rule_files:
+  - $ROOT/infra/prometheus/rules/*.yml
 scrape_configs:
   - job_name: kvcloud-worker
     static_configs:
@@ -376,7 +378,8 @@ PROMEOF
         --web.listen-address="127.0.0.1:$PROMETHEUS_PORT"
     wait_for prometheus http_ok "http://127.0.0.1:$PROMETHEUS_PORT/-/ready"
     PROMETHEUS_LINE="http://127.0.0.1:$PROMETHEUS_PORT   (scrapes every 2 s; file_sd targets in $STATE/prometheus/targets/*.json)"
-    WATCH="Watch the demo in Prometheus (or Grafana with infra/grafana/kvcloud-dashboard.json):
+    WATCH="Watch the demo in Prometheus (or Grafana with infra/grafana/kvcloud-dashboard.json;
+infra/grafana/kvcloud-vllm-fleet.json for the vLLMs):
   make demo DEMO_ARGS=\"--prometheus-sd $STATE/prometheus/targets/demo.json\""
 else
     PROMETHEUS_LINE="not started (no prometheus binary, or KVCLOUD_LOCAL_PROMETHEUS=no)"

@@ -1,8 +1,8 @@
 """KVCloud: the client — push, lookup and pull KV segments, save and resume sessions — and
 how it is opened and closed.
 
-The class is composed of one part per job, each stating the reliability rules (DESIGN §4) it
-enforces next to the code that enforces them:
+The class is composed of one part per job, each stating the reliability rules (the
+invariants in docs/ARCHITECTURE.md) it enforces next to the code that enforces them:
 
 - ``base.py``: the state every part shares: backends, per-tenant keys, counters;
 - ``push.py``: store chunks and register them (an object before its index entry);

@@ -2,7 +2,7 @@
 pipeline stage's layers, and registered once every part is in.
 
 No coordinator: each writer stores its part, records it in the index, and the writer that
-sees every part recorded registers the chunk. Until then the chunk is a miss (DESIGN §4: no
+sees every part recorded registers the chunk. Until then the chunk is a miss (invariant 1: no
 entry before its objects).
 """
 
@@ -54,7 +54,7 @@ class PartsMixin(PushMixin):
         key and size. ``layers`` (lo, hi) makes it a pipeline stage's part: only those layers
         (``kv`` ``[hi - lo, 2, ...]``); None for either means all of them. No index entry
         names it yet: ``offer_part`` (each writer, after its part is stored) registers the
-        chunk once every part is in. Until then the chunk is a miss (DESIGN §4: no entry
+        chunk once every part is in. Until then the chunk is a miss (invariant 1: no entry
         before its objects); a part never registered is collected by gc like any
         unreferenced object."""
         codec = ns.quant or codec or self.config.codec

@@ -1,6 +1,6 @@
 """Lookup and pull: find the longest cached prefix of a prompt, and fetch its KV verified.
 
-Reliability rules (DESIGN §4) enforced here:
+Reliability rules (invariants 3 and 4) enforced here:
 - pull verifies every object (digest = key, header = what was asked) and turns a missing or
   corrupt one into a shorter match, dropping the bad entry, instead of raising; an object
   that fails to decrypt is a corrupt object like any other: a miss;

@@ -1,6 +1,6 @@
 """Push: store chunks' KV as objects and register them in the index.
 
-Reliability rule (DESIGN §4) enforced here: push writes each object before its index entry,
+Reliability rule (invariant 1) enforced here: push writes each object before its index entry,
 so an entry never names an object that is not there yet (a chunk stored in parts follows the
 same rule in parts.py).
 """

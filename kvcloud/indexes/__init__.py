@@ -7,7 +7,7 @@ from urllib.parse import unquote
 
 from ..errors import ConfigError
 from ..urls import redact_url, split_url
-from .base import DEFAULT_TTL_SECONDS, EntryRecord, Index, IndexEntry
+from .base import DEFAULT_TTL_SECONDS, EntryRecord, Index, IndexEntry, IndexSummary
 from .sqlite import SQLiteIndex
 
 if TYPE_CHECKING:
@@ -50,6 +50,7 @@ def open_index(
     ttl_seconds: int = DEFAULT_TTL_SECONDS,
     connect_timeout: float = 2.0,
     read_timeout: float = 5.0,
+    no_touch: bool = False,
 ) -> Index:
     """Open the index a URL names.
 
@@ -57,7 +58,8 @@ def open_index(
     ``ttl``); ``redis://[user:password@]host:port/db`` or ``rediss://…`` (options:
     ``prefix``, ``ttl``); ``redis+cluster://[user:password@]host:port[,host:port…]`` or
     ``rediss+cluster://…`` for a Redis Cluster (same options; the hosts are startup nodes).
-    A ``ttl`` in the URL overrides ``ttl_seconds``.
+    A ``ttl`` in the URL overrides ``ttl_seconds``. ``no_touch``: a Redis index's reads leave
+    the keys' LRU/LFU clocks as they were (the URL option ``no_touch=on``; SQLite has none).
     """
     scheme, netloc, path, options = split_url(url)
     if scheme == "sqlite":
@@ -75,6 +77,7 @@ def open_index(
             ttl_seconds,
             socket_connect_timeout=connect_timeout,
             socket_timeout=read_timeout,
+            no_touch=no_touch,
         )
     if scheme in CLUSTER_SCHEMES:
         return _cluster_module().RedisClusterIndex(
@@ -82,6 +85,7 @@ def open_index(
             ttl_seconds,
             socket_connect_timeout=connect_timeout,
             socket_timeout=read_timeout,
+            no_touch=no_touch,
         )
     raise ConfigError(
         f"unknown index URL scheme {scheme!r} in {redact_url(url)!r}; known: "
@@ -103,6 +107,7 @@ __all__ = [
     "EntryRecord",
     "Index",
     "IndexEntry",
+    "IndexSummary",
     "RedisClusterIndex",
     "RedisIndex",
     "SQLiteIndex",

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import random
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgpack
 
@@ -121,6 +122,29 @@ class EntryRecord:
     expires_at: float | None  # unix seconds, None if it never expires
 
 
+@dataclass(frozen=True)
+class NamespaceTotals:
+    """The live entries of one namespace, the bytes of the objects they name and the tokens
+    they cover."""
+
+    entries: int
+    bytes: int
+    tokens: int
+
+
+@dataclass
+class IndexSummary:
+    """Index-wide figures for monitoring (``Index.summary``)."""
+
+    namespaces: dict[str, NamespaceTotals]  # only namespaces with live entries
+    sessions: int
+    sessions_exact: bool  # False: estimated (a Redis keyspace too large to count, sampled)
+    counters: dict[str, int]
+    sample: list[EntryRecord]  # live entries drawn at random, at most sample_size per ns
+    # when each namespace's bookkeeping began (Redis; figures complete one TTL later)
+    since: dict[str, float] = field(default_factory=dict)
+
+
 def _join_keys(keys: Sequence[str]) -> str:
     if not keys or any(not k or PART_SEP in k or k.startswith(STAGES_MARK) for k in keys):
         raise ValueError(f"part keys must be non-empty and free of {PART_SEP!r}")
@@ -233,6 +257,33 @@ class Index(Closing, ABC):
 
     def count_entries(self, ns: str | None = None) -> int:
         return sum(1 for _ in self.iter_entries(ns))
+
+    def summary(self, sample_size: int = 512) -> IndexSummary:
+        """Live entries, bytes and tokens per namespace, sessions, counters, and at most
+        ``sample_size`` live entries per namespace drawn at random: what ``kvcloud stats
+        --serve`` reports. Backends answer from their own bookkeeping, at a cost independent
+        of their size; none renews a TTL or otherwise marks what it reads as used. This
+        default, for a backend without bookkeeping, scans every entry (exact, O(index))."""
+        rng = random.Random()
+        totals: dict[str, list[int]] = {}
+        samples: dict[str, list[EntryRecord]] = {}
+        for rec in self.iter_entries():
+            t = totals.setdefault(rec.ns, [0, 0, 0])
+            t[0] += 1
+            t[1] += rec.entry.size
+            t[2] += rec.entry.n_tokens
+            kept = samples.setdefault(rec.ns, [])
+            if len(kept) < sample_size:
+                kept.append(rec)
+            elif (j := rng.randrange(t[0])) < sample_size:  # reservoir sampling
+                kept[j] = rec
+        return IndexSummary(
+            namespaces={ns: NamespaceTotals(*t) for ns, t in totals.items()},
+            sessions=sum(1 for _ in self.iter_sessions()),
+            sessions_exact=True,
+            counters=self.counters(),
+            sample=[rec for kept in samples.values() for rec in kept],
+        )
 
     def close(self) -> None:
         """Release connections."""

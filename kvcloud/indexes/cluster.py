@@ -159,6 +159,8 @@ class RedisClusterIndex(RedisIndex):
     # The multi-key scripts need every key in one slot; buckets are spread over slots by
     # design.
     _single_key = True
+    # RedisCluster runs the connection handshake before a connect hook (no_touch=on)
+    _hook_runs_handshake = False
 
     def _make_client(self, url: str, **kwargs: Any) -> Any:
         parts = urlsplit(url)

@@ -47,12 +47,16 @@ class Deferred:
     they are only hints. Any other failure drops the batch. Either way it is logged, at most
     once per _WARN_INTERVAL. Renewals past ``max_keys`` pending are dropped (and logged).
 
+    Counter names are strings (the index's named counters) or any hashable that ``send``
+    maps to other bookkeeping (the Redis index's per-namespace tallies): both are increments
+    that must not be lost, so both are kept for the next batch when a send fails.
+
     ``send`` is held weakly, so the thread does not keep an index that nobody closed alive.
     """
 
     def __init__(
         self,
-        send: Callable[[list[Hashable], dict[str, int]], None],
+        send: Callable[[list[Hashable], dict[Hashable, int]], None],
         name: str,
         *,
         delay: float = 0.05,
@@ -71,7 +75,7 @@ class Deferred:
         self._cond = threading.Condition(threading.Lock())
         self._keys: list[Sequence[Hashable]] = []  # one sequence per lookup, deduplicated later
         self._n_keys = 0
-        self._counters: dict[str, int] = {}
+        self._counters: dict[Hashable, int] = {}
         self._first_at = 0.0  # monotonic time of the oldest pending submission
         self._submitted = 0  # submissions accepted so far (a retry counts as a new one)
         self._attempted = 0  # submissions whose batch has been sent (or has failed)
@@ -89,11 +93,11 @@ class Deferred:
     def _pending(self) -> bool:
         return bool(self._keys or self._counters)
 
-    def _add_counters(self, counters: Mapping[str, int]) -> None:
+    def _add_counters(self, counters: Mapping[Hashable, int]) -> None:
         for name, n in counters.items():
             self._counters[name] = self._counters.get(name, 0) + int(n)
 
-    def submit(self, keys: Sequence[Hashable], counters: Mapping[str, int] | None) -> None:
+    def submit(self, keys: Sequence[Hashable], counters: Mapping[Hashable, int] | None) -> None:
         dropped = 0
         try:
             self._check_fork()

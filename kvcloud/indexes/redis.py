@@ -2,7 +2,8 @@
 
 This module is the connection (client, retries, URL options, errors) and the Index methods
 on top of it. Where entries live and how they are encoded (buckets, value formats, expiry):
-:mod:`.redis_layout`; the Lua scripts that read and write them: :mod:`.redis_scripts`.
+:mod:`.redis_layout`; the Lua scripts that read and write them: :mod:`.redis_scripts`; the
+per-namespace bookkeeping that ``summary`` (``kvcloud stats --serve``) reads: :mod:`.redis_stats`.
 
 ``field_ttl=auto`` (the default) picks field TTL on Redis 7.4+, and value expiry on Redis 7.0
 and on Valkey, whose hashes leave their compact listpack encoding as soon as one field has a
@@ -62,6 +63,7 @@ from .redis_layout import (
 )
 from .redis_retry import default_retry
 from .redis_scripts import Scripts
+from .redis_stats import Bookkeeping, Tally, no_touch_hook
 
 log = logging.getLogger("kvcloud.index")
 
@@ -84,7 +86,7 @@ def _batched(items: Iterable[T], size: int) -> Iterator[list[T]]:
         yield batch
 
 
-class RedisIndex(KeyLayout, Index):
+class RedisIndex(Bookkeeping, KeyLayout, Index):
     """Index in Redis (``redis://`` or TLS ``rediss://``).
 
     URL: ``redis://[user:password@]host:port/db?prefix=kvc&ttl=604800&buckets=4096``.
@@ -92,7 +94,10 @@ class RedisIndex(KeyLayout, Index):
     (hashes per namespace, a power of two: about the namespace's entries ÷ 50; every worker of
     a fleet must use the same value) and ``field_ttl`` (``auto``, ``on`` or ``off``: per-entry
     TTL in the hash fields where the server has it, see the module docstring) are kvcloud's
-    own options; any other query option is passed to redis-py (e.g. ``ssl_ca_certs`` for
+    own options, and so is ``no_touch`` (``on``: every command runs after ``CLIENT NO-TOUCH
+    ON``, so this client's reads leave the keys' LRU/LFU clocks as they were; for stats and
+    other tools that must not make what they read look used; Redis 7.2+ and Valkey, a warning
+    elsewhere); any other query option is passed to redis-py (e.g. ``ssl_ca_certs`` for
     rediss://).
 
     ``lookup`` and ``lookup_run`` are one EVALSHA; the sliding-TTL renewal of their hits and
@@ -104,6 +109,9 @@ class RedisIndex(KeyLayout, Index):
 
     #: Cluster variants: every multi-key script becomes a pipeline of single-key commands.
     _single_key = False
+    #: Whether a connect hook must run the standard handshake itself (a cluster client runs
+    #: it before calling the hook).
+    _hook_runs_handshake = True
 
     scheme_names: tuple[str, ...] = ("redis", "rediss")
 
@@ -120,6 +128,7 @@ class RedisIndex(KeyLayout, Index):
         renew_delay: float = 0.05,
         buckets: int | None = None,
         field_ttl: str | None = None,
+        no_touch: bool = False,
     ) -> None:
         self.url = redact_url(url)
         try:
@@ -156,6 +165,9 @@ class RedisIndex(KeyLayout, Index):
         if mode not in ("auto", "on", "off"):
             raise ConfigError(f"index URL {self.url!r}: field_ttl must be auto, on or off")
         self.field_ttl_mode = mode
+        untouched = options.pop("no_touch", "on" if no_touch else "off").lower()
+        if untouched not in ("on", "off"):
+            raise ConfigError(f"index URL {self.url!r}: no_touch must be on or off")
         # decided on the first write (it takes a round trip); "off" needs none
         self._field_ttl: bool | None = False if mode == "off" else None
         Index.__init__(self, ttl_seconds)
@@ -171,6 +183,9 @@ class RedisIndex(KeyLayout, Index):
         self._renew_every = min(self.ttl_seconds / 100, 60.0)
 
         client_url = urlunsplit(parts._replace(query=urlencode(options)))
+        hook = {}
+        if untouched == "on":
+            hook["redis_connect_func"] = no_touch_hook(self, self._hook_runs_handshake)
         try:
             self._client = self._make_client(
                 client_url,
@@ -178,6 +193,7 @@ class RedisIndex(KeyLayout, Index):
                 socket_timeout=socket_timeout,
                 health_check_interval=health_check_interval,
                 retry=retry if retry is not None else default_retry(),
+                **hook,
             )
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"index URL {self.url!r}: {self._scrub(str(exc))}") from None
@@ -228,9 +244,10 @@ class RedisIndex(KeyLayout, Index):
             raws.append(raw)
         return raws
 
-    def _write_side_effects(self, items: list[Any], counters: dict[str, int]) -> None:
+    def _write_side_effects(self, items: list[Any], counters: dict[Any, int]) -> None:
         """Background thread: slide the expiry of ``items`` ((bucket, field) pairs of lookup
-        hits) and add ``counters``, in one pipeline."""
+        hits) and add ``counters`` (named counters, and the bookkeeping's tallies), in one
+        pipeline; then move the renewed entries in the bookkeeping."""
         now = time.time()
         step = self._scripts.step
         head = [repr(now), repr(now + self.ttl_seconds), self._ttl_ms]
@@ -242,11 +259,17 @@ class RedisIndex(KeyLayout, Index):
                     "renew", [b for b, _ in batch], [*head, *(f for _, f in batch)], pipe
                 )
             if first:  # a retry after NOSCRIPT: the increments already went in
+                tallies = {}
                 for name, n in counters.items():
-                    pipe.hincrby(self._counters_key, name, int(n))
+                    if isinstance(name, Tally):
+                        tallies[name] = n
+                    else:
+                        pipe.hincrby(self._counters_key, name, int(n))
+                self._write_tallies(pipe, tallies, now)
 
         with self._errors():
-            self._scripts.execute(build)
+            replies = self._scripts.execute(build)
+        self._tally_renewed(items, replies[: -(-len(items) // step)], now)
 
     # -- errors -----------------------------------------------------------------------------
 
@@ -299,7 +322,9 @@ class RedisIndex(KeyLayout, Index):
             replies = self._scripts.run_batches(
                 "register", self._buckets(ns, fields), head, per_entry
             )
-        return [bool(r) for r in replies]
+        created = [bool(r) for r in replies]
+        self._tally_registered(ns, entries, created, now)
+        return created
 
     def uses_field_ttl(self) -> bool:
         """Whether this index writes per-field TTLs: ``field_ttl=on``, or ``auto`` on a Redis
@@ -427,7 +452,9 @@ class RedisIndex(KeyLayout, Index):
         expected = b"" if object_key is None else pack_key(ns, object_key)
         (bucket,) = self._buckets(ns, [field])
         with self._errors():
-            if self._scripts.run("drop", [bucket], [repr(time.time()), field, expected]):
+            dropped = self._scripts.run("drop", [bucket], [repr(time.time()), field, expected])
+            if dropped:
+                self._tally_dropped(ns, dropped)
                 return True
             # An entry of the layout before 0.13, until those have expired.
             legacy = self._legacy_key(ns, fp)
@@ -458,27 +485,6 @@ class RedisIndex(KeyLayout, Index):
                             yield record
             yield from self._iter_legacy(legacy)
 
-    def _field_ttls(
-        self, keys: list[bytes], hashes: list[dict[bytes, bytes]]
-    ) -> dict[tuple[bytes, bytes], int]:
-        """The TTL (ms; -1 none, -2 gone) of every field-TTL value among ``hashes``, one
-        pipelined HPTTL per bucket that holds any (off the request path: stats, gc, verify)."""
-        wanted = [
-            (key, [f for f, raw in fields.items() if raw[:1] == b"\x02"])
-            for key, fields in zip(keys, hashes, strict=True)
-        ]
-        wanted = [(key, fields) for key, fields in wanted if fields]
-        if not wanted:
-            return {}
-        pipe = self._client.pipeline(transaction=False)
-        for key, fields in wanted:
-            pipe.execute_command("HPTTL", key, "FIELDS", len(fields), *fields)
-        out: dict[tuple[bytes, bytes], int] = {}
-        for (key, fields), reply in zip(wanted, pipe.execute(), strict=True):
-            for field, ms in zip(fields, reply, strict=True):
-                out[(key, field)] = int(ms)
-        return out
-
     def _iter_legacy(self, pattern: str) -> Iterator[EntryRecord]:
         for keys in _batched(self._scan(pattern), _SCAN_COUNT):
             pipe = self._client.pipeline(transaction=False)
@@ -499,9 +505,6 @@ class RedisIndex(KeyLayout, Index):
                     continue
                 expires_at = now + pttl / 1000 if pttl is not None and pttl >= 0 else None
                 yield EntryRecord(ns=parts[0], fp=parts[1], entry=entry, expires_at=expires_at)
-
-    def count_entries(self, ns: str | None = None) -> int:
-        return sum(1 for _ in self.iter_entries(ns))
 
     # -- sessions ---------------------------------------------------------------------------
 

@@ -5,6 +5,8 @@ Key schema (``prefix`` defaults to ``kvc``)::
     {prefix}:h:{ns}:{bucket}             hash of entries: field = fingerprint, value = entry
     {prefix}:s:{scope}:{session_id}      session record, optional TTL
     {prefix}:counters                    hash of named counters
+    {prefix}:n:{ns}                      live entries, bytes, tokens by expiry slot (redis_stats)
+    {prefix}:namespaces                  set of the namespaces that have such a hash
     {prefix}:e:{ns}:{fp}                 entry of releases before 0.13 (read for gc/verify/stats)
 
 Entries live in small hashes ("buckets"), ``buckets`` per namespace (URL option, default

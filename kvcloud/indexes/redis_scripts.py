@@ -104,33 +104,41 @@ return out
 # ARGV[1] now, ARGV[2] the new expiry, ARGV[3] the TTL in ms. Only a live value is rewritten,
 # and only forwards, so a late renewal never resurrects an entry deleted or expired meanwhile.
 # A field-TTL value (format 2, only on servers that have HPEXPIRE) gets HPEXPIRE GT: a field
-# that is gone stays gone.
+# that is gone stays gone. Returns (i, previous expiry in ms or -1 for a value that carries its
+# own, value) for every entry renewed: what the index's bookkeeping moves to the new expiry
+# (kvcloud.indexes.redis_stats).
 _RENEW_SCRIPT = (
     _LUA_HELPERS
     + """
 local now, new, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local n = 0
+local out = {}
 for i = 1, #KEYS do
   local k, f = KEYS[i], ARGV[i + 3]
   local v = redis.call('HGET', k, f)
   if v and string.byte(v, 1) == 2 then
+    local was = redis.call('HPEXPIRETIME', k, 'FIELDS', 1, f)[1]
     if redis.call('HPEXPIRE', k, ttl, 'GT', 'FIELDS', 1, f)[1] == 1 then
       keep_bucket(k, ttl)
-      n = n + 1
+      out[#out + 1] = i
+      out[#out + 1] = was
+      out[#out + 1] = v
     end
   elseif live(v, now) and struct.unpack('<d', v, 2) < new then
     redis.call('HSET', k, f, string.sub(v, 1, 1) .. struct.pack('<d', new) .. string.sub(v, 10))
     keep_bucket(k, ttl)
-    n = n + 1
+    out[#out + 1] = i
+    out[#out + 1] = -1
+    out[#out + 1] = v
   end
 end
-return n
+return out
 """
 )
 
 # Compare-and-delete in one atomic step: KEYS[1] the bucket, ARGV[1] now, ARGV[2] the field,
 # ARGV[3] the packed object key the caller verified ('' for any). A concurrent
-# re-registration to a new object is never lost.
+# re-registration to a new object is never lost. Returns 0, or (value, its field expiry in ms,
+# -1 where the value carries its own) for the bookkeeping.
 _DROP_SCRIPT = (
     _LUA_HELPERS
     + """
@@ -141,7 +149,13 @@ if live(v, tonumber(ARGV[1])) then
 elseif ARGV[3] ~= '' or (#v >= 30 and string.byte(v, 1) == 1) then
   return 0
 end
-return redis.call('HDEL', KEYS[1], ARGV[2])
+local was = -1
+if string.byte(v, 1) == 2 then
+  local r = redis.pcall('HPEXPIRETIME', KEYS[1], 'FIELDS', 1, ARGV[2])
+  if type(r) == 'table' and type(r[1]) == 'number' then was = r[1] end
+end
+if redis.call('HDEL', KEYS[1], ARGV[2]) == 0 then return 0 end
+return {v, was}
 """
 )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import sqlite3
 import threading
 import time
@@ -19,10 +20,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
-from ..errors import IndexBackendError, IndexUnavailableError
-from .base import DEFAULT_TTL_SECONDS, EntryRecord, Index, IndexEntry
+from ..errors import ConfigError, IndexBackendError, IndexUnavailableError
+from .base import DEFAULT_TTL_SECONDS, EntryRecord, Index, IndexEntry, IndexSummary
 from .deferred import Deferred
+from .sqlite_totals import ensure_totals, read_totals, sample_entries
 
 log = logging.getLogger("kvcloud.index")
 
@@ -85,11 +88,16 @@ class SQLiteIndex(Index):
         busy_timeout: float = 10.0,
         purge_interval: float = 300.0,
         renew_delay: float = 0.05,
+        create: bool = True,
     ) -> None:
+        """``create=False`` (readers: stats, verify, gc, doctor): the database must exist and
+        hold a kvcloud index, so a mistyped path is an error instead of a new, empty index."""
         super().__init__(ttl_seconds)
         if self.ttl_seconds <= 0:
             raise ValueError("ttl_seconds must be positive")
         self.path = str(path)
+        if not create:
+            require_database(self.path)
         self.url = f"sqlite://{self.path}"
         self.busy_timeout = float(busy_timeout)
         self.purge_interval = float(purge_interval)
@@ -136,6 +144,8 @@ class SQLiteIndex(Index):
                 # which only forgets hints (the index is a hint, invariant 4).
                 conn.execute("PRAGMA synchronous = NORMAL")
                 self._ensure_schema(conn)
+                # running totals for summary() (sqlite_totals); False: a read-only file
+                self._totals = ensure_totals(conn)
                 return conn
             except sqlite3.Error as exc:
                 if conn is not None:
@@ -206,11 +216,15 @@ class SQLiteIndex(Index):
         now = time.time()
         try:
             conn.execute("BEGIN IMMEDIATE")
-            conn.execute(
+            purged = conn.execute(
                 "DELETE FROM entries WHERE (ns, fp) IN "
                 "(SELECT ns, fp FROM entries WHERE expires_at <= ? LIMIT ?)",
                 (now, _PURGE_BATCH),
-            )
+            ).rowcount
+            if purged >= _PURGE_BATCH:
+                # a backlog: keep at it every second, so that the expired rows stored (what
+                # summary() reads past) stay bounded however fast entries expire
+                self._next_purge = time.monotonic() + 1.0
             conn.execute(
                 "DELETE FROM sessions WHERE rowid IN (SELECT rowid FROM sessions "
                 "WHERE expires_at IS NOT NULL AND expires_at <= ? LIMIT ?)",
@@ -346,6 +360,25 @@ class SQLiteIndex(Index):
                 return
             cursor = (rows[-1][0], rows[-1][1])
 
+    def summary(self, sample_size: int = 512) -> IndexSummary:
+        """From the running totals (sqlite_totals), less the expired rows not yet purged, in
+        one snapshot, plus at most ``sample_size`` entries per namespace; reads only."""
+        if not self._totals:
+            return super().summary(sample_size)
+        now, rng = time.time(), random.Random()
+        with self._read() as conn:
+            conn.execute("BEGIN")
+            try:
+                namespaces, sessions = read_totals(conn, now)
+                sample = [
+                    rec
+                    for ns, t in namespaces.items()
+                    for rec in sample_entries(conn, ns, sample_size, t.entries, now, rng)
+                ]
+            finally:
+                conn.execute("COMMIT")
+        return IndexSummary(namespaces, sessions, True, self.counters(), sample)
+
     def count_entries(self, ns: str | None = None) -> int:
         sql = "SELECT COUNT(*) FROM entries WHERE expires_at > ?"
         params: tuple[object, ...] = (time.time(),)
@@ -448,6 +481,33 @@ class SQLiteIndex(Index):
                 self._conn = None
 
 
+def require_database(path: str) -> None:
+    """Check that ``path`` is an existing kvcloud SQLite index without creating or changing
+    anything; ConfigError naming it otherwise."""
+    if path == ":memory:":
+        return
+    where = f"sqlite://{path}"
+    if not os.path.exists(path):
+        raise ConfigError(
+            f"no index at {where}: the file does not exist "
+            "(check the index URL, KVCLOUD_INDEX or --index)"
+        )
+    if not os.path.isfile(path):
+        raise ConfigError(f"no index at {where}: it is not a file")
+    try:
+        conn = sqlite3.connect(f"file:{quote(os.path.abspath(path))}?mode=ro", uri=True, timeout=1)
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        if "not a database" in str(exc).lower():
+            raise ConfigError(f"{where} is not a kvcloud index ({exc})") from None
+        return  # locked or unreadable right now: the real open waits or says why
+    if version == 0:
+        raise ConfigError(f"{where} is not a kvcloud index (it holds no kvcloud tables)")
+
+
 def _is_busy(exc: sqlite3.Error) -> bool:
     text = str(exc).lower()
     return isinstance(exc, sqlite3.OperationalError) and ("locked" in text or "busy" in text)
@@ -460,4 +520,4 @@ def _rollback(conn: sqlite3.Connection) -> None:
             conn.execute("ROLLBACK")
 
 
-__all__ = ["SCHEMA_VERSION", "SQLiteIndex"]
+__all__ = ["SCHEMA_VERSION", "SQLiteIndex", "require_database"]

@@ -1,4 +1,4 @@
-"""The segment object format (DESIGN §5): one chunk's KV as one content-addressed object.
+"""The segment object format (the object format): one chunk's KV as one content-addressed object.
 
     b"KVC1" | u32 header_len (LE) | header (msgpack map) | payload
 

@@ -36,7 +36,7 @@ def open_store(
     fsync: bool = False,
     max_attempts: int | None = None,
 ) -> ObjectStore:
-    """Open the store a URL names (DESIGN §6).
+    """Open the store a URL names (URLs choose the backends).
 
     ``file:///abs/dir`` (or ``file://rel/dir``, relative to the working directory) and
     ``s3://bucket/prefix?endpoint_url=…&region=…``. Options in the URL's query string win

@@ -18,7 +18,7 @@ from contextlib import AbstractContextManager, suppress
 from pathlib import Path
 from typing import Any
 
-from ..errors import ObjectNotFoundError, StoreError
+from ..errors import ConfigError, ObjectNotFoundError, StoreError
 from .base import Buffer, BufferParts, ObjectInfo, ObjectStore, validate_key
 
 TMP_PREFIX = ".tmp-"
@@ -38,12 +38,21 @@ class FileStore(ObjectStore):
     """Objects as files: key ``ns/ab/abcd`` lives at ``root/ns/ab/abcd``."""
 
     def __init__(
-        self, root: str | os.PathLike[str], *, fsync: bool = False, max_workers: int = 16
+        self,
+        root: str | os.PathLike[str],
+        *,
+        fsync: bool = False,
+        max_workers: int = 16,
+        create: bool = True,
     ) -> None:
+        """``create=False`` (readers: stats, verify, gc, doctor): the root must exist, so a
+        mistyped path is an error instead of a new, empty store."""
         super().__init__(max_workers=max_workers)
         # abspath rather than resolve(): a symlinked root should stay as configured in logs.
         self.root = Path(os.path.abspath(os.fspath(root)))
         self.fsync = bool(fsync)
+        if not create:
+            require_store_root(self.root)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -237,6 +246,20 @@ class FileStore(ObjectStore):
                     yield ObjectInfo(key=key, size=st.st_size, last_modified=st.st_mtime)
 
 
+def require_store_root(root: str | os.PathLike[str]) -> Path:
+    """The root of an existing ``file://`` store; ConfigError naming it when it is missing
+    (nothing is created)."""
+    path = Path(os.path.abspath(os.fspath(root)))
+    if not path.exists():
+        raise ConfigError(
+            f"no store at file://{path}: the directory does not exist "
+            "(check the store URL, KVCLOUD_STORE or --store)"
+        )
+    if not path.is_dir():
+        raise ConfigError(f"no store at file://{path}: it is not a directory")
+    return path
+
+
 def _write_all(fd: int, parts: list[Buffer]) -> None:
     """Write the buffers in order with as few system calls as the kernel allows: one
     writev for an object, with no joined copy of it in user space."""
@@ -252,4 +275,4 @@ def _write_all(fd: int, parts: list[Buffer]) -> None:
             views[0] = views[0][written:]
 
 
-__all__ = ["FileStore"]
+__all__ = ["FileStore", "require_store_root"]

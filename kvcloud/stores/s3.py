@@ -287,7 +287,7 @@ class S3Store(ObjectStore):
             raise self._error("get", key, exc) from exc
         except BotoCoreError as exc:
             raise self._error("get", key, exc) from exc
-        return BodyReader(response["Body"], self, key)
+        return BodyReader(response["Body"], key, self.url, self._error)
 
     def head(self, key: str) -> ObjectInfo | None:
         from botocore.exceptions import BotoCoreError, ClientError

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import http.client
 import io
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
-from ..errors import StoreUnavailableError
+from ..errors import StoreError, StoreUnavailableError
 from .base import Buffer
 
-if TYPE_CHECKING:
-    from .s3 import S3Store
+# the store's mapping of a botocore error to kvcloud's (S3Store._error): given, not imported,
+# so this module sits below s3.py rather than beside it
+ErrorMap = Callable[[str, str, Exception], StoreError]
 
 
 class BufferBody(io.RawIOBase):
@@ -57,10 +59,11 @@ class BodyReader:
     Content-Length is then reported as a broken transfer, exactly as urllib3 would.
     """
 
-    def __init__(self, body: Any, store: S3Store, key: str) -> None:
+    def __init__(self, body: Any, key: str, url: str, error: ErrorMap) -> None:
         self._body = body
-        self._store = store
         self._key = key
+        self._url = url
+        self._error = error
         self._raw, self._sock = _socket_response(body)
         self._left = self._sock.length if self._sock is not None else 0
 
@@ -76,16 +79,16 @@ class BodyReader:
         try:
             return fn(arg)
         except BotoCoreError as exc:
-            raise self._store._error("get", self._key, exc) from exc
+            raise self._error("get", self._key, exc) from exc
         except (OSError, ValueError, http.client.HTTPException) as exc:  # transport errors
             raise StoreUnavailableError(
-                f"get {self._key!r} from {self._store.url} broke off: {exc}"
+                f"get {self._key!r} from {self._url} broke off: {exc}"
             ) from exc
 
     def _advance(self, got: int, wanted: int) -> None:
         if got == 0 and wanted and self._left:
             raise StoreUnavailableError(
-                f"get {self._key!r} from {self._store.url} broke off with {self._left} "
+                f"get {self._key!r} from {self._url} broke off with {self._left} "
                 "bytes of the body still to come"
             )
         self._left -= got

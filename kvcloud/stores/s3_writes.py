@@ -3,8 +3,8 @@
 A kvcloud object is content-addressed, so writing it twice is harmless; what ``put`` must
 still say truthfully is whether the object already existed, because the caller then
 refreshes it (``touch``) so that gc's grace period protects an old orphan that a new entry
-is about to name (DESIGN §4, invariants 1, 2 and 6). AWS S3, MinIO, Ceph RGW and moto answer
-412 to a conditional PUT of an existing key. OpenStack Swift's ``s3api`` answers
+is about to name (invariants 1, 2 and 6, docs/ARCHITECTURE.md). AWS S3, MinIO, Ceph RGW
+and moto answer 412 to a conditional PUT of an existing key. OpenStack Swift's ``s3api`` answers
 ``501 NotImplemented``; ``rclone serve s3`` (and s3rver) ignore the header and overwrite.
 On those, ``put`` asks with a HEAD first and writes only an absent key: a duplicate push then
 costs one small round trip instead of a rewrite, and the answer means the same everywhere.

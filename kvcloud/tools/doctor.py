@@ -1,30 +1,42 @@
 """``kvcloud doctor``: check the configured store and index end to end and say what to fix.
 
-Each check yields one :class:`Check` (ok / warn / FAIL, a detail, and the fix when it is not
-ok). Nothing here raises for a broken deployment: an unreachable endpoint or wrong
-credentials become a FAIL line naming the redacted URL, because the whole point of the
-command is to explain failures rather than print tracebacks.
+Each check yields one :class:`Check` (ok / warn / FAIL / info, a detail, and the fix when it
+is not ok). A line says ok only after a real request to the server succeeded: backends open
+lazily, so opening one proves nothing. Nothing here raises for a broken deployment: an
+unreachable endpoint or wrong credentials become a FAIL line naming the redacted URL,
+because the whole point of the command is to explain failures rather than print tracebacks.
+The probes themselves (a write, read and delete of an object and of an index record) are
+:mod:`kvcloud.probe`'s, the ones a vLLM connector runs at start.
 """
 
 from __future__ import annotations
 
-import contextlib
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
 from ..config import KVCloudConfig
-from ..errors import KVCloudError, StoreUnavailableError
+from ..errors import KVCloudError, ProbeError, StoreUnavailableError
 from ..indexes import open_index
+from ..probe import (
+    PROBE_BYTES,
+    PROBE_PREFIX,
+    PROBE_SCOPE,
+    key_id,
+    probe_index,
+    probe_store,
+    require_index,
+    require_store,
+)
 from ..stores import open_store, s3_writes
 from ..stores.base import ObjectStore
 from ..urls import redact_url
 
-OK, WARN, FAIL = "ok", "warn", "FAIL"
+OK, WARN, FAIL, INFO = "ok", "warn", "FAIL", "info"
 
 # Skew beyond this makes S3 reject signed requests (SigV4 allows 15 min) long before, and
 # already distorts TTL and gc grace arithmetic that compares worker and server clocks.
@@ -33,8 +45,6 @@ SKEW_FAIL_SECONDS = 300.0
 # A probe round trip slower than this will eat most of a worker's --remote-timeout (2 s).
 SLOW_SECONDS = 0.5
 
-PROBE_PREFIX = "_doctor"
-
 # Policies that may evict keys without a TTL: kvcloud's session records (and the counters
 # hash) have none, so losing them silently breaks session resume.
 _EVICTS_PERSISTENT = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
@@ -42,9 +52,9 @@ _EVICTS_PERSISTENT = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
 
 @dataclass
 class Check:
-    target: str  # "store" or "index"
+    target: str  # "store", "index", "client" or "vllm"
     name: str
-    status: str  # OK, WARN or FAIL
+    status: str  # OK, WARN, FAIL or INFO (a setting, not a verdict)
     detail: str
     fix: str = ""
     seconds: float | None = None
@@ -87,6 +97,15 @@ def _skew_check(target: str, server_time: float, sent: float, received: float) -
 def check_store(url: str, cfg: KVCloudConfig) -> Iterator[Check]:
     where = redact_url(url)
     try:
+        require_store(url)  # a reader never creates the store it checks
+    except KVCloudError as exc:
+        fix = (
+            "check KVCLOUD_STORE (or --store) for a typo; a new store's directory is created "
+            "by the first worker or vLLM that writes to it"
+        )
+        yield Check("store", "open", FAIL, str(exc), fix)
+        return
+    try:
         store = open_store(
             url, max_workers=2, connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout
         )
@@ -94,7 +113,6 @@ def check_store(url: str, cfg: KVCloudConfig) -> Iterator[Check]:
         yield Check("store", "open", FAIL, f"{where}: {_describe(exc)}", "fix the store URL")
         return
     try:
-        yield Check("store", "open", OK, store.url)
         if type(store).__name__ == "S3Store":
             bucket_checks = list(_check_s3_bucket(store))
             yield from bucket_checks
@@ -175,40 +193,17 @@ def _check_s3_bucket(store: Any) -> Iterator[Check]:
 
 def _probe(store: ObjectStore) -> Iterator[Check]:
     key = f"{PROBE_PREFIX}/{secrets.token_hex(8)}"
-    payload = secrets.token_bytes(4096)
-    steps: list[tuple[str, Callable[[], Any]]] = [
-        ("put", lambda: store.put(key, payload)),
-        ("get", lambda: store.get(key)),
-        ("delete", lambda: store.delete(key)),
-        ("head", lambda: store.head(key)),
-    ]
-    timings: dict[str, float] = {}
-    results: dict[str, Any] = {}
-    for op, fn in steps:
-        start = time.perf_counter()
-        try:
-            results[op] = fn()
-        except Exception as exc:
-            fix = (
-                "check write permission on the bucket/directory (s3:PutObject, GetObject, "
-                "DeleteObject on the prefix) and that the endpoint is reachable"
-            )
-            yield Check("store", f"probe {op}", FAIL, f"{key}: {_describe(exc)}", fix)
-            if op != "put":  # best effort: do not leave the probe behind
-                with contextlib.suppress(Exception):
-                    store.delete(key)
-            return
-        timings[op] = time.perf_counter() - start
-    if results["get"] != payload:
-        yield Check(
-            "store",
-            "probe",
-            FAIL,
-            f"{key}: read back different bytes than were written",
-            "the store or a proxy in front of it corrupts data; check it before use",
-        )
+    try:
+        timings = probe_store(store, key=key)
+    except ProbeError as exc:
+        yield Check("store", "probe", FAIL, f"{key}: {exc.what}", exc.fix)
         return
-    if results["head"] is not None:
+    try:
+        gone = store.head(key) is None
+    except Exception as exc:
+        yield Check("store", "probe", FAIL, f"{key}: head after delete: {_describe(exc)}")
+        return
+    if not gone:
         yield Check(
             "store",
             "probe",
@@ -216,10 +211,11 @@ def _probe(store: ObjectStore) -> Iterator[Check]:
             f"{key} still listed after delete",
             "the store is not read-after-delete consistent; gc may report stale orphans",
         )
-    total = timings["put"] + timings["get"] + timings["delete"]
+    total = sum(timings.values())
     detail = (
-        f"write/read/delete {len(payload)} B under {PROBE_PREFIX}/: put {_ms(timings['put'])}, "
-        f"get {_ms(timings['get'])}, delete {_ms(timings['delete'])}"
+        f"write/read/delete {PROBE_BYTES} B under {PROBE_PREFIX}/: "
+        f"put {_ms(timings['put'])}, get {_ms(timings['get'])}, "
+        f"delete {_ms(timings['delete'])}"
     )
     if max(timings.values()) > SLOW_SECONDS:
         yield Check(
@@ -240,8 +236,20 @@ def _probe(store: ObjectStore) -> Iterator[Check]:
 
 def check_index(url: str, cfg: KVCloudConfig) -> Iterator[Check]:
     where = redact_url(url)
+    try:
+        require_index(url)  # a reader never creates the index it checks
+    except KVCloudError as exc:
+        fix = (
+            "check KVCLOUD_INDEX (or --index) for a typo; a new index is created by the first "
+            "worker or vLLM that writes to it"
+        )
+        yield Check("index", "open", FAIL, str(exc), fix)
+        return
     if url.startswith("sqlite://"):
-        yield from _check_sqlite_path(url)
+        sqlite_checks = list(_check_sqlite_path(url))
+        yield from sqlite_checks
+        if any(c.status == FAIL for c in sqlite_checks):
+            return
     try:
         index = open_index(
             url,
@@ -275,6 +283,18 @@ def check_index(url: str, cfg: KVCloudConfig) -> Iterator[Check]:
             fix if status == WARN else "",
             seconds=rtt,
         )
+        try:
+            seconds = probe_index(index)
+        except ProbeError as exc:
+            yield Check("index", "round trip", FAIL, exc.what, exc.fix)
+            return
+        yield Check(
+            "index",
+            "round trip",
+            OK,
+            f"write/read/delete a record under scope {PROBE_SCOPE}: {_ms(seconds)}",
+            seconds=seconds,
+        )
         client = getattr(index, "_client", None)
         if client is not None and type(index).__name__ == "RedisIndex":
             yield from _check_redis(client)
@@ -295,10 +315,9 @@ def _check_sqlite_path(url: str) -> Iterator[Check]:
         return
     directory = db.parent if str(db.parent) else Path(".")
     # The database, its -wal and -shm files all live in the directory: it must be writable,
-    # not just the file.
+    # not just the file. (It exists: require_index checked the database.)
     probe = directory / f".kvcloud-doctor-{secrets.token_hex(4)}"
     try:
-        directory.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"x")
         probe.unlink()
     except OSError as exc:
@@ -413,12 +432,40 @@ def _check_buckets(client: Any, index: Any, sample: int = 64) -> Iterator[Check]
         yield Check("index", "entry buckets", OK, detail)
 
 
+# --- client settings ---------------------------------------------------------------------------
+
+
+def check_client(cfg: KVCloudConfig) -> Iterator[Check]:
+    """The fingerprint key the configuration gives (by its public id), and whether the
+    secret behind it is the insecure development default."""
+    kid = key_id(cfg.secret, cfg.tenant)
+    if cfg.insecure_secret:
+        yield Check(
+            "client",
+            "secret",
+            WARN,
+            f"KVCLOUD_SECRET is unset: the development secret, which anyone can use to "
+            f"compute fingerprints (key id {kid}, tenant {cfg.tenant})",
+            "set KVCLOUD_SECRET, the same on every worker, vLLM and kvcloud command",
+        )
+    else:
+        yield Check(
+            "client",
+            "key id",
+            INFO,
+            f"{kid} (tenant {cfg.tenant}; servers that share KV show the same id)",
+        )
+
+
 # --- entry point -------------------------------------------------------------------------------
 
 
-def run_doctor(store_url: str | None, index_url: str | None, cfg: KVCloudConfig) -> list[Check]:
-    """Every check for the given URLs (None skips that side)."""
-    checks: list[Check] = []
+def run_doctor(
+    store_url: str | None, index_url: str | None, cfg: KVCloudConfig, *, client: bool = True
+) -> list[Check]:
+    """Every check for the given URLs (None skips that side), and with ``client`` the key id
+    and secret checks."""
+    checks: list[Check] = list(check_client(cfg)) if client else []
     if store_url is not None:
         checks.extend(check_store(store_url, cfg))
     if index_url is not None:
@@ -426,4 +473,14 @@ def run_doctor(store_url: str | None, index_url: str | None, cfg: KVCloudConfig)
     return checks
 
 
-__all__ = ["FAIL", "OK", "WARN", "Check", "check_index", "check_store", "run_doctor"]
+__all__ = [
+    "FAIL",
+    "INFO",
+    "OK",
+    "WARN",
+    "Check",
+    "check_client",
+    "check_index",
+    "check_store",
+    "run_doctor",
+]

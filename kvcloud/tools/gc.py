@@ -1,7 +1,8 @@
 """``gc``: trim least-recently-used entries to a byte budget and delete old unreferenced objects.
 
 A plain function over an ObjectStore and an Index, so it runs from Python, from the CLI
-(``kvcloud gc``, a thin wrapper) or from tests. What it must respect (DESIGN §4):
+(``kvcloud gc``, a thin wrapper) or from tests. What it must respect (the invariants in
+docs/ARCHITECTURE.md):
 
 - invariant 4, *the index is a hint*: an entry whose object is gone is a miss, so ``gc`` may
   drop entries to free space;

@@ -7,7 +7,7 @@ namespace geometry it derives (``integrations/vllm/keys.py``), the objects it st
 chunk and the ranks that read them (``shard.py``), each object's size from the segment
 encoder's own header code (``segment.encoded_size``), the buffers it allocates
 (``config.py``, ``uploader.py``, ``worker.py``, ``staging.py``), and the Redis memory per
-chunk measured by ``scripts/bench_index_parts.py``. Nothing here imports torch or vLLM.
+chunk measured by ``scripts/bench/bench_index_parts.py``. Nothing here imports torch or vLLM.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ KV_DTYPES = {
 # layout for the server (field TTL on Redis 8.2.3, value expiry on Redis 7.0.15), by the
 # parts a chunk is stored in: 1 entry at TP 1; at TP > 1 one record per part plus the
 # chunk's entry naming every part, whose value is too long for Redis's compact listpack.
-# Measured by scripts/bench_index_parts.py (docs/bench/index_parts.json, 51,200 chunks in
+# Measured by scripts/bench/bench_index_parts.py (docs/bench/index_parts.json, 51,200 chunks in
 # 1,024 buckets); docs/OPERATIONS.md has the table.
 REDIS_BYTES_PER_CHUNK: dict[str, dict[int, float]] = {
     "redis8": {1: 126.3, 2: 717.1, 3: 984.8, 4: 1234.7, 6: 1872.4, 8: 2297.1, 16: 4481.4},
@@ -198,7 +198,7 @@ def model_kv(config: dict[str, Any], dtype: str | None = None) -> ModelKV:
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
-    """The seed's formula: layers × kv_heads × head_dim × bytes per element × 2 (K and V).
+    """The usual formula: layers × kv_heads × head_dim × bytes per element × 2 (K and V).
     For MLA the stored head is half the latent row, so × 2 gives the row: layers ×
     (kv_lora_rank + qk_rope_head_dim) × bytes."""
     return num_layers * num_kv_heads * head_dim * itemsize * 2
@@ -375,7 +375,7 @@ def size_fleet(model: ModelKV, load: FleetLoad) -> dict[str, Any]:
     per_token = kv_bytes_per_token(
         model.num_layers, model.num_kv_heads, model.head_dim, dtype_info(kv_dtype).itemsize
     )
-    assert per_token == ns.bytes_per_token  # the seed's formula is the namespace's
+    assert per_token == ns.bytes_per_token  # the usual formula is the namespace's
     objs = chunk_objects(ns, load.tp, load.head_parts)
     restored = load.prompt_tokens * load.hit_rate
     saved = (

@@ -1,7 +1,8 @@
 """``verify``: check that every index entry and session record names a present, right object.
 
 A plain function over an ObjectStore and an Index, so it runs from Python, from the CLI
-(``kvcloud verify``, a thin wrapper) or from tests. What it checks and may repair (DESIGN §4):
+(``kvcloud verify``, a thin wrapper) or from tests. What it checks and may repair (the
+invariants in docs/ARCHITECTURE.md):
 
 - invariant 1, *object before entry*: an entry must never name a missing object. ``verify``
   checks exactly that (and, with ``deep``, that the object is the right one);

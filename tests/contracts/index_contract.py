@@ -20,6 +20,7 @@ from kvcloud.indexes.base import (
     EntryRecord,
     Index,
     IndexEntry,
+    IndexSummary,
 )
 
 IndexFactory = Callable[..., Index]
@@ -391,6 +392,84 @@ class IndexContract:
             seen += 1
         assert seen == 20
 
+    # -- summary: what the exporter reads ---------------------------------------------------
+
+    def test_summary_equals_a_full_scan(self, index: Index) -> None:
+        """The bookkept figures are the true ones: after registrations (whole and in parts),
+        a repeated registration, drops, and in two namespaces; sessions too. The sample holds
+        live entries only, at most sample_size per namespace."""
+        index.register_many(NS, [(fp(i), entry(i)) for i in range(40)])
+        index.register_many(NS, [(fp(i), entry(i)) for i in range(30, 45)])  # 10 exist
+        parts = IndexEntry.of_parts(["segments/a", "segments/b"], 256, 5000, 1.0)
+        index.register(OTHER_NS, fp(1), parts)
+        index.register(OTHER_NS, fp(2), entry(2))
+        assert index.drop(NS, fp(3))
+        assert index.drop(NS, fp(4), entry(4).object_key)
+        assert not index.drop(NS, fp(5), "segments/not-it")
+        assert not index.drop(NS, fp(99))
+        index.put_session("t", "a", b"x")
+        index.put_session("t", "b", b"y", ttl_seconds=100)
+        index.put_session("t", "a", b"z")  # a replacement is not a new session
+        summary = _summary(index, sample_size=8)
+        assert (
+            _totals(summary)
+            == _scanned(index)
+            == {
+                NS: (43, sum(1000 + i for i in range(45) if i not in (3, 4)), 43 * 256),
+                OTHER_NS: (2, 5000 + 1002, 512),
+            }
+        )
+        assert summary.sessions == 2 and summary.sessions_exact
+        live = {(r.ns, r.fp): r.entry for r in index.iter_entries()}
+        assert all(live[(r.ns, r.fp)] == r.entry for r in summary.sample)
+        assert all(sum(r.ns == ns for r in summary.sample) <= 8 for ns in (NS, OTHER_NS))
+        assert index.drop(OTHER_NS, fp(1)) and index.drop(OTHER_NS, fp(2))
+        assert index.delete_session("t", "a")
+        summary = _summary(index)
+        assert _totals(summary) == _scanned(index) and OTHER_NS not in summary.namespaces
+        assert summary.sessions == 1
+
+    def test_summary_follows_expiry_and_renewal(self, make_index: IndexFactory) -> None:
+        """Expired entries leave the figures by themselves, and a renewed one stays: checked
+        half a second away from every expiry, against a full scan."""
+        idx = make_index(ttl_seconds=2)
+        t0 = time.time()
+        idx.register_many(NS, [(fp(i), entry(i)) for i in range(10)])  # expire at t0 + 2
+        idx.put_session("t", "short", b"x", ttl_seconds=2)
+        sleep_until(t0 + 1.0)
+        idx.register_many(NS, [(fp(i), entry(i)) for i in range(10, 15)])  # t0 + 3
+        assert idx.lookup(NS, [fp(1)]) == [entry(1)]  # renewed to about t0 + 3
+        assert wait_until(lambda: (expires_at(idx, NS, fp(1)) or 0.0) > t0 + 2.5, timeout=0.5)
+        if time.time() > t0 + 1.5:
+            pytest.skip("too slow a machine to judge a 2 s TTL")
+        summary = _summary(idx)
+        assert _totals(summary) == _scanned(idx) == {NS: (15, 15 * 1000 + 105, 15 * 256)}
+        assert summary.sessions == 1
+        sleep_until(t0 + 2.5)
+        summary = _summary(idx)
+        scanned = _scanned(idx)
+        if time.time() > t0 + 2.9:
+            pytest.skip("too slow a machine to judge a 2 s TTL")
+        assert _totals(summary) == scanned == {NS: (6, 5 * 1000 + 60 + 1001, 6 * 256)}
+        assert summary.sessions == 0
+        sleep_until(t0 + 3.7)
+        assert _totals(_summary(idx)) == _scanned(idx) == {}
+        idx.close()
+
+    def test_summary_renews_nothing(self, make_index: IndexFactory) -> None:
+        """Reading the figures is no hit: every entry's expiry stays where it was."""
+        idx = make_index(ttl_seconds=100)
+        idx.register_many(NS, [(fp(i), entry(i)) for i in range(20)])
+        before = {r.fp: r.expires_at for r in idx.iter_entries()}
+        time.sleep(1.1)  # past the renewal interval of a 100 s TTL
+        for _ in range(3):
+            _summary(idx)
+        time.sleep(0.3)  # a background renewal would have landed by now
+        after = {r.fp: r.expires_at for r in idx.iter_entries()}
+        assert after.keys() == before.keys()
+        assert all(after[k] == pytest.approx(before[k], abs=0.05) for k in before)
+        idx.close()
+
     # -- health and concurrency -------------------------------------------------------------
 
     def test_ping(self, index: Index) -> None:
@@ -428,3 +507,24 @@ class IndexContract:
         assert sorted(results) == [False] * (n_threads - 1) + [True]
         (winner,) = index.lookup(NS, [fp(42)])
         assert winner is not None and winner.object_key.startswith("segments/writer-")
+
+
+def _summary(index: Index, sample_size: int = 512) -> IndexSummary:
+    """``index.summary`` once the index's own writes (tallied in the background) are sent."""
+    flush = getattr(index, "flush", None)
+    if flush is not None:
+        flush()
+    return index.summary(sample_size)
+
+
+def _totals(summary: IndexSummary) -> dict[str, tuple[int, int, int]]:
+    return {ns: (t.entries, t.bytes, t.tokens) for ns, t in summary.namespaces.items()}
+
+
+def _scanned(index: Index) -> dict[str, tuple[int, int, int]]:
+    """The same figures from a full scan."""
+    out: dict[str, tuple[int, int, int]] = {}
+    for r in index.iter_entries():
+        e, b, t = out.get(r.ns, (0, 0, 0))
+        out[r.ns] = (e + 1, b + r.entry.size, t + r.entry.n_tokens)
+    return out

@@ -274,6 +274,8 @@ def connector_metric_names() -> frozenset[str]:
     names |= {f"vllm:kvcloud_{n}" for n in tables["GAUGES"]}
     names |= {f"vllm:kvcloud_{n}_{s}" for n in tables["HISTOGRAMS"] for s in ("bucket", "sum")}
     names |= {f"vllm:kvcloud_{n}_count" for n in tables["HISTOGRAMS"]}
+    assert 'name="vllm:kvcloud_info"' in source
+    names.add("vllm:kvcloud_info")
     return frozenset(names)
 
 

@@ -19,7 +19,7 @@ import yaml
 
 from kvcloud.integrations.vllm.config import VLLMConnectorConfig
 from kvcloud.stores import S3Config
-from scripts.vllm_fleet import kvcloud_transfer_config
+from scripts.fleet.vllm_fleet import kvcloud_transfer_config
 from tests.deploy.test_images import IMAGES, build_args
 from tests.deploy.vllm_args import parse_vllm_args
 from tests.unit.test_compose import (

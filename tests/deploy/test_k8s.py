@@ -10,8 +10,6 @@ production-stack values file validates against the chart's own schema."""
 from __future__ import annotations
 
 import json
-import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,7 @@ from kvcloud.integrations.vllm.config import VLLMConnectorConfig
 from kvcloud.stores import S3Config
 from kvcloud.tools.gc import parse_duration
 from kvcloud.urls import redact_url
-from scripts.vllm_fleet import kvcloud_transfer_config
+from scripts.fleet.vllm_fleet import kvcloud_transfer_config
 from tests.deploy import kube
 from tests.deploy.kube import (
     DOCTOR_CONTAINER,
@@ -401,30 +399,7 @@ def test_gc_schedule_agrees_with_the_ttl_and_the_bucket_expiration(target: str) 
     assert days * 86400 >= 2 * ttl
 
 
-# -- alerts --------------------------------------------------------------------------------
-
-
-def test_alerts_parse_and_use_metrics_that_exist(tmp_path: Path) -> None:
-    docs = kube.render("base")
-    rule = kube.named(docs, "PrometheusRule", "kvcloud")
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.fail("promtool (Debian's prometheus package) checks the alert rules: install it")
-    path = tmp_path / "rules.yaml"
-    path.write_text(yaml.safe_dump(rule["spec"]))
-    r = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
-    known = kube.connector_metric_names() | kube.exporter_metric_names() | {"up"}
-    exprs = [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
-    assert len(exprs) >= 5
-    for expr in exprs:
-        metrics = {
-            t
-            for t in re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", expr)
-            if t.startswith(("kvcloud_", "vllm:")) or t == "up"
-        }
-        assert metrics, expr
-        assert metrics <= known, f"{expr}: no such metric {sorted(metrics - known)}"
+# -- alerts: tests/deploy/test_monitoring.py (the same rules as infra/prometheus/rules) ----
 
 
 # -- the overlays' own promises ----------------------------------------------------------------

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from kvcloud.integrations.vllm.config import VLLMConnectorConfig
-from scripts.vllm_fleet import kvcloud_transfer_config
+from scripts.fleet.vllm_fleet import kvcloud_transfer_config
 from tests.deploy import kube
 
 SCHEMA = kube.DATA / "production-stack" / "values.schema.json"

@@ -18,6 +18,7 @@ import boto3
 import pytest
 
 from kvcloud import KVCloud
+from kvcloud.indexes import SQLiteIndex
 from kvcloud.tools.cli import main
 from tests.helpers import make_kv, make_ns, make_tokens
 from tests.servers import MotoServer, RedisServer, free_port, start_redis
@@ -95,6 +96,9 @@ def _scenario_setup(
 ) -> tuple[str, str, Scenario]:
     file_store = f"file://{tmp_path / 'objects'}"
     sqlite_index = f"sqlite://{tmp_path / 'index.db'}"
+    # the commands read existing backends and never create them: make the good ones
+    (tmp_path / "objects").mkdir()
+    SQLiteIndex(tmp_path / "index.db").close()
     good_redis = f"redis://:{REDIS_PASSWORD}@127.0.0.1:{auth_redis.port}/0"
     mp.setenv("KVCLOUD_CONNECT_TIMEOUT", "0.5")
     mp.setenv("AWS_ACCESS_KEY_ID", auth_s3.key_id)

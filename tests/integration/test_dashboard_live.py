@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from kvcloud.indexes import SQLiteIndex
 from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,6 +101,10 @@ def test_every_dashboard_panel_has_data_and_moves_during_the_demo(tmp_path: Path
     sd_dir.mkdir()
     env = {**os.environ, "KVCLOUD_STORE": store, "KVCLOUD_INDEX": index}
     env.pop("KVCLOUD_SECRET", None)
+    # the exporter reads an existing store and index and never creates them: create them
+    # empty, as a deployment's first worker would, so its figures start at 0
+    (tmp_path / "objects").mkdir()
+    SQLiteIndex(tmp_path / "index.db").close()
 
     exporter_port, prom_port = free_port(), free_port()
     config = tmp_path / "prometheus.yml"

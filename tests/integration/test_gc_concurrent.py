@@ -119,7 +119,7 @@ def _referenced_while_deleted(log: Log) -> tuple[list[str], list[str]]:
 
 
 def _record(scenario: str, must: str, observed: str) -> None:
-    """One line for docs/RELIABILITY.md (scripts/reliability_report.py)."""
+    """One line for docs/RELIABILITY.md (scripts/reports/reliability_report.py)."""
     path = os.environ.get("KVCLOUD_RELIABILITY_LOG")
     if path:
         with open(path, "a") as f:

@@ -1,4 +1,4 @@
-"""The GPU restore benchmark (scripts/bench_gpu_restore.py) runs anywhere torch does: here on
+"""The GPU restore benchmark (scripts/bench/bench_gpu_restore.py) runs anywhere torch does: here on
 CPU with a tiny Llama, from file://, its restore checked bit for bit against the prefill's KV
 (the script raises on a mismatch) and its table written."""
 
@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_gpu_benchmark_runs_on_cpu_with_a_tiny_model(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
     run = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_gpu_restore.py"), "--shape", "tiny",
-         "--tokens", "512,1024", "--stores", "file", "--device", "cpu", "--out", str(out)],
+        [sys.executable, str(ROOT / "scripts" / "bench" / "bench_gpu_restore.py"),
+         "--shape", "tiny", "--tokens", "512,1024", "--stores", "file", "--device", "cpu",
+         "--out", str(out)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]

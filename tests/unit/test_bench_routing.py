@@ -1,11 +1,11 @@
-"""The load benchmark's routing (scripts/bench_vllm_load.py): what each policy does with the
+"""The load benchmark's routing (scripts/bench/bench_vllm_load.py): what each policy does with the
 turns in flight, since its figures are judged by where the turns went."""
 
 from __future__ import annotations
 
 import pytest
 
-from scripts.bench_vllm_load import Router, Turn, summarize
+from scripts.bench.bench_vllm_load import Router, Turn, summarize
 
 
 def test_sticky_and_round_robin_ignore_the_load() -> None:

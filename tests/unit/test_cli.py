@@ -243,3 +243,167 @@ def test_serve_address_rejects_garbage(value: str) -> None:
 
     with pytest.raises(KVCloudError):
         parse_listen(value)
+
+
+# --- help, exit codes, which backends, readers never create ------------------------------------
+
+
+def _subcommands() -> list[list[str]]:
+    import argparse
+
+    from kvcloud.tools.cli import build_parser
+
+    paths: list[list[str]] = []
+
+    def walk(parser: argparse.ArgumentParser, path: list[str]) -> None:
+        paths.append(path)
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, [*path, name])
+
+    walk(build_parser(), [])
+    return paths
+
+
+@pytest.mark.parametrize("path", _subcommands(), ids=lambda p: " ".join(p) or "kvcloud")
+def test_help_is_plain_text(path: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """--help shows no reStructuredText markup from the docstrings it is built from."""
+    with pytest.raises(SystemExit) as info:
+        main([*path, "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: kvcloud")
+    for markup in ("``", ":class:", ":func:", ":meth:", ":mod:", ":attr:"):
+        assert markup not in text, f"{markup} in kvcloud {' '.join(path)} --help"
+
+
+def test_top_level_help_documents_the_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    status = text[text.index("exit status:") :]
+    for line in ("0  healthy", "1  problems found and left", "2  usage or configuration error"):
+        assert line in status
+    assert "never create a store or an index" in " ".join(text.split())
+
+
+def test_each_command_names_its_backends_and_where_they_came_from(
+    populated, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, index, keys, _ = populated
+    assert main(["ls", "--store", store, "--index", index]) == 0
+    assert capsys.readouterr().err == f"kvcloud: index {index} (--index)\n"
+    monkeypatch.setenv("KVCLOUD_STORE", store)
+    monkeypatch.setenv("KVCLOUD_INDEX", index)
+    assert main(["verify"]) == 0
+    err = capsys.readouterr().err
+    assert err == f"kvcloud: store {store} (KVCLOUD_STORE) · index {index} (KVCLOUD_INDEX)\n"
+    # JSON carries them instead
+    assert main(["stats", "--json"]) == 0
+    out, err = capsys.readouterr()
+    d = json.loads(out)
+    assert err == ""
+    assert (d["store"], d["index"]) == (store, index)
+    assert d["sources"] == {"store": "KVCLOUD_STORE", "index": "KVCLOUD_INDEX"}
+    for argv in (["verify", "--json"], ["gc", "--dry-run", "--json"]):
+        assert main(argv) == 0
+        d = json.loads(capsys.readouterr().out)
+        assert (d["store"], d["index"], d["sources"]["index"]) == (store, index, "KVCLOUD_INDEX")
+    assert main(["inspect", keys[0], "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["store"] == store and "index" not in d  # a key needs the store only
+
+
+def test_the_default_backends_are_named_as_defaults(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVCLOUD_STORE", raising=False)
+    monkeypatch.delenv("KVCLOUD_INDEX", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    home = tmp_path / "kvcloud"
+    KVCloud.open(store=f"file://{home / 'objects'}", index=f"sqlite://{home / 'index.db'}").close()
+    assert main(["stats"]) == 0
+    err = capsys.readouterr().err
+    assert err == (
+        f"kvcloud: store file://{home / 'objects'} (default: KVCLOUD_STORE unset) · "
+        f"index sqlite://{home / 'index.db'} (default: KVCLOUD_INDEX unset)\n"
+    )
+
+
+# (argv, which backends it opens); FP16 stands for a 16-hex fingerprint as ls prints it
+READERS: list[tuple[list[str], set[str]]] = [
+    (["stats"], {"store", "index"}),
+    (["stats", "--json"], {"store", "index"}),
+    (["stats", "--prometheus"], {"store", "index"}),
+    (["stats", "--no-store"], {"index"}),
+    (["ls"], {"index"}),
+    (["inspect", "FP16"], {"store", "index"}),
+    (["inspect", "KEY"], {"store"}),
+    (["verify"], {"store", "index"}),
+    (["verify", "--deep", "--repair"], {"store", "index"}),
+    (["gc", "--dry-run"], {"store", "index"}),
+    (["gc", "--json"], {"store", "index"}),
+]
+
+
+@pytest.mark.parametrize("missing", ["store", "index"])
+@pytest.mark.parametrize("argv, touches", READERS, ids=lambda a: " ".join(a))
+def test_readers_never_create_a_store_or_an_index(
+    argv: list[str],
+    touches: set[str],
+    missing: str,
+    populated,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A mistyped file:// directory or sqlite:// file is a one-line error (exit 2), not a
+    new empty store or index that then reports 0 entries or drops every entry as missing."""
+    if missing not in touches:
+        pytest.skip(f"{argv[0]} does not open the {missing}")
+    store, index, keys, fp = populated
+    typo = {
+        "store": tmp_path / "typo" / "objects",
+        "index": tmp_path / "typo" / "index.db",
+    }[missing]
+    store = f"file://{typo}" if missing == "store" else store
+    index = f"sqlite://{typo}" if missing == "index" else index
+    argv = [fp[:16] if a == "FP16" else keys[0] if a == "KEY" else a for a in argv]
+    rc = main([*argv, "--store", store, "--index", index])
+    out, err = capsys.readouterr()
+    assert rc == 2, (out, err)
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"kvcloud {argv[0]}: error: no {missing} at "), err
+    assert str(typo) in line and f"KVCLOUD_{missing.upper()}" in line
+    assert not (tmp_path / "typo").exists()
+    if "--json" in argv or "--prometheus" in argv:
+        assert out == ""
+
+
+def test_inspect_takes_what_ls_prints(populated, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvcloud.indexes import IndexEntry
+
+    store, index, keys, fp = populated
+    common = ["--store", store, "--index", index]
+    assert main(["ls", *common]) == 0
+    assert fp[:16] in capsys.readouterr().out
+    for target in (fp[:16], fp[:8], fp.upper()):
+        assert main(["inspect", target, *common, "--json"]) == 0
+        d = json.loads(capsys.readouterr().out)
+        assert d["entries"][0]["fp"] == fp and d["objects"][0]["key"] == keys[0]
+    ns = d["entries"][0]["ns"]
+    assert main(["ls", "--ns", ns[:12], *common, "--json"]) == 0  # ls's ns prefix works too
+    assert len(json.loads(capsys.readouterr().out)) == 2
+    # two fingerprints sharing the prefix: ambiguous, say so and how to narrow it
+    with KVCloud.open(store=store, index=index) as kv:
+        for twin in ("ab" * 32, "ab" * 31 + "cd"):
+            kv.index.register(ns, twin, IndexEntry(keys[0], 16, 1, 0.0))
+    assert main(["inspect", "ab" * 8, *common]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "ambiguous: 2 fingerprints" in err and "more hex digits" in err
+    assert main(["inspect", "ab" * 31 + "cd", *common, "--json"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", "f" * 16, *common]) == 2
+    assert "no index entry for fingerprint ffffffffffffffff" in capsys.readouterr().err
+    assert main(["inspect", "abc", *common]) == 2  # too short to be a fingerprint
+    assert "a prefix of at least 8" in capsys.readouterr().err

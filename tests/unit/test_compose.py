@@ -413,8 +413,9 @@ def test_grafana_is_provisioned_with_prometheus_and_the_dashboard(
         for target, (src, _mode) in mounts.items()
         if target.startswith(provider["options"]["path"].rstrip("/") + "/")
     }
-    assert [(ROOT / src).resolve() for src in dashboards.values()] == [
-        GRAFANA / "kvcloud-dashboard.json"
+    assert sorted((ROOT / src).resolve() for src in dashboards.values()) == [
+        GRAFANA / "kvcloud-dashboard.json",
+        GRAFANA / "kvcloud-vllm-fleet.json",
     ]
     assert env["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] in dashboards
 

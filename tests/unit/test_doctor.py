@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from kvcloud import KVCloud
+from kvcloud.probe import key_id
 from kvcloud.stores import FileStore
 from kvcloud.tools import doctor
 from kvcloud.tools.cli import main
@@ -32,24 +33,38 @@ def _by_name(report: dict) -> dict[tuple[str, str], dict]:
     return {(c["target"], c["name"]): c for c in report["checks"]}
 
 
-def test_file_and_sqlite_all_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def _embedded(tmp_path: Path) -> tuple[str, str]:
+    """A file:// store and sqlite:// index that exist (doctor never creates them)."""
     store, index = f"file://{tmp_path / 'o'}", f"sqlite://{tmp_path / 'x' / 'i.db'}"
+    KVCloud.open(store=store, index=index).close()
+    return store, index
+
+
+def test_file_and_sqlite_all_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store, index = _embedded(tmp_path)
     rc, report = _doctor(capsys, "--store", store, "--index", index)
     assert rc == 0 and report["ok"]
+    assert (report["store"], report["index"]) == (store, index)
+    assert report["sources"] == {"store": "--store", "index": "--index"}
     checks = _by_name(report)
-    for key in [("store", "open"), ("store", "probe"), ("index", "sqlite path")]:
+    for key in [("store", "probe"), ("index", "sqlite path"), ("index", "round trip")]:
         assert checks[key]["status"] == "ok", checks[key]
     assert checks[("index", "reachable")]["status"] in ("ok", "warn")
-    # the probe cleans up after itself
-    assert not list((tmp_path / "o").rglob("_doctor/*"))
+    # opening proves nothing (backends open lazily): no line claims it
+    assert ("store", "open") not in checks and ("index", "open") not in checks
+    assert checks[("client", "key id")]["status"] == "info"
+    assert checks[("client", "key id")]["detail"].startswith(
+        key_id(b"test-master-secret", "default")
+    )
+    # the probes clean up after themselves
+    assert not list((tmp_path / "o").rglob("_probe/*"))
+    with KVCloud.open(store=store, index=index) as kv:
+        assert list(kv.index.iter_sessions()) == []
 
 
 def test_human_output_is_one_line_per_check(tmp_path: Path) -> None:
-    env = {
-        "PATH": "/usr/bin:/bin",
-        "KVCLOUD_STORE": f"file://{tmp_path / 'o'}",
-        "KVCLOUD_INDEX": f"sqlite://{tmp_path / 'i.db'}",
-    }
+    store, index = _embedded(tmp_path)
+    env = {"PATH": "/usr/bin:/bin", "KVCLOUD_STORE": store, "KVCLOUD_INDEX": index}
     r = subprocess.run(
         [sys.executable, "-m", "kvcloud.tools.cli", "doctor"],
         capture_output=True,
@@ -58,21 +73,31 @@ def test_human_output_is_one_line_per_check(tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
-    assert len(lines) >= 4 and all(line.split()[0] in ("ok", "warn") for line in lines)
+    assert len(lines) >= 4 and all(line.split()[0] in ("ok", "warn", "info") for line in lines)
+    # no KVCLOUD_SECRET: the development secret is a warning, not a failure
+    assert any(line.startswith("warn client secret: KVCLOUD_SECRET is unset") for line in lines)
+    assert r.stderr == f"kvcloud: store {store} (KVCLOUD_STORE) · index {index} (KVCLOUD_INDEX)\n"
 
 
-def test_unwritable_sqlite_dir_fails_with_a_fix(
+def test_missing_store_and_index_fail_and_are_not_created(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # a regular file where the index's directory should be: unwritable for every user,
-    # root included (directory permissions would not bind root, who runs CI)
-    blocker = tmp_path / "not-a-dir"
-    blocker.write_text("x")
-    rc, report = _doctor(capsys, "--index", f"sqlite://{blocker / 'i.db'}")
-    check = _by_name(report)[("index", "sqlite path")]
-    assert rc == 1 and check["status"] == "FAIL" and check["fix"]
+    """doctor is a reader: a mistyped file:// or sqlite:// path is a FAIL with the fix,
+    never a new empty store or index (which would then look healthy)."""
+    store, index = f"file://{tmp_path / 'typo'}", f"sqlite://{tmp_path / 'd' / 'typo.db'}"
+    rc, report = _doctor(capsys, "--store", store, "--index", index)
+    checks = _by_name(report)
+    assert rc == 1 and not report["ok"]
+    assert checks[("store", "open")]["status"] == "FAIL"
+    assert "no store at" in checks[("store", "open")]["detail"]
+    assert "KVCLOUD_STORE" in checks[("store", "open")]["fix"]
+    assert checks[("index", "open")]["status"] == "FAIL"
+    assert "no index at" in checks[("index", "open")]["detail"]
+    assert "KVCLOUD_INDEX" in checks[("index", "open")]["fix"]
+    assert not (tmp_path / "typo").exists() and not (tmp_path / "d").exists()
     # --index alone: no store checks
-    assert all(c["target"] == "index" for c in report["checks"])
+    rc, report = _doctor(capsys, "--index", index)
+    assert rc == 1 and {c["target"] for c in report["checks"]} == {"client", "index"}
 
 
 def test_moto_and_redis_ok(
@@ -99,8 +124,9 @@ def test_moto_and_redis_ok(
     assert checks[("index", "redis version")]["detail"][0].isdigit()
     assert checks[("index", "clock skew")]["status"] == "ok"
     assert checks[("index", "maxmemory-policy")]["status"] == "ok"
+    assert checks[("index", "round trip")]["status"] == "ok"
     client = redis.Redis.from_url(redis_url)
-    assert not client.keys("*_doctor*")
+    assert not client.keys("*_probe*")
     client.close()
 
 
@@ -114,7 +140,7 @@ def test_a_slow_store_is_a_warning_with_its_timings(tmp_path: Path) -> None:
     checks = list(doctor._probe(_SlowStore(tmp_path / "o")))
     assert [(c.name, c.status) for c in checks] == [("probe", "warn")]
     assert "get " in checks[0].detail and "--remote-timeout" in checks[0].fix
-    assert not list((tmp_path / "o").rglob("_doctor/*"))
+    assert not list((tmp_path / "o").rglob("_probe/*"))
     fast = list(doctor._probe(FileStore(tmp_path / "o")))
     assert [(c.name, c.status) for c in fast] == [("probe", "ok")]
 
@@ -204,6 +230,8 @@ def test_dead_ports_are_one_clear_line_each() -> None:
     assert len(fails) == 2, r.stdout
     assert all(f"127.0.0.1:{port}" in line for line in fails)
     assert "redis-server is running" in fails[1]
+    # nothing answered, so no line about the store or the index says ok
+    assert not [line for line in r.stdout.splitlines() if line.startswith("ok")], r.stdout
 
 
 def test_wrong_redis_password(tmp_path: Path) -> None:
@@ -218,6 +246,196 @@ def test_wrong_redis_password(tmp_path: Path) -> None:
     assert r.returncode == 1 and "Traceback" not in out and "wrong-pw" not in out
     fails = [line for line in r.stdout.splitlines() if line.startswith("FAIL")]
     assert len(fails) == 1 and "authentication failed" in fails[0], r.stdout
+
+
+# --- doctor --vllm-config ---------------------------------------------------------------------
+
+TRANSFER = {
+    "kv_connector": "KVCloudConnector",
+    "kv_connector_module_path": "kvcloud.integrations.vllm",
+    "kv_role": "kv_both",
+}
+
+
+def _vllm(
+    capsys: pytest.CaptureFixture[str], transfer: dict | str, *extra: str
+) -> tuple[int, dict, str]:
+    value = transfer if isinstance(transfer, str) else json.dumps(transfer)
+    rc = main(["doctor", "--vllm-config", value, "--json", *extra])
+    out, err = capsys.readouterr()
+    return rc, (json.loads(out) if out else {}), err
+
+
+def test_vllm_config_checks_what_vllm_would_use(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, index = _embedded(tmp_path)
+    monkeypatch.setenv("KVCLOUD_SECRET", "pod-secret")
+    monkeypatch.setenv("KVCLOUD_LOAD_MODE", "sync")  # the environment applies, as in vLLM
+    extra = {"store": store, "index": index, "read_timeout": 3, "tenant": "t1"}
+    path = tmp_path / "kv.json"
+    path.write_text(json.dumps({**TRANSFER, "kv_connector_extra_config": extra}))
+    rc, report, err = _vllm(capsys, f"@{path}")
+    assert rc == 0 and report["ok"], report
+    checks = _by_name(report)
+    assert checks[("vllm", "connector")]["status"] == "ok"
+    settings = checks[("vllm", "settings")]["detail"]
+    assert "load mode sync" in settings and "write policy write-through" in settings
+    assert "read 3 s" in settings and "tenant t1" in settings
+    assert report["key_id"] == key_id(b"pod-secret", "t1")
+    assert checks[("client", "key id")]["detail"].startswith(report["key_id"])
+    assert report["sources"] == {
+        "store": "kv_connector_extra_config.store",
+        "index": "kv_connector_extra_config.index",
+    }
+    assert (report["store"], report["index"], report["read_timeout"]) == (store, index, 3)
+    for key in [("store", "probe"), ("index", "round trip"), ("vllm", "start probe")]:
+        assert checks[key]["status"] == "ok", checks[key]
+    assert err == ""  # --json: the JSON names them
+    assert main(["doctor", "--vllm-config", f"@{path}"]) == 0
+    assert capsys.readouterr().err == (
+        f"kvcloud: store {store} (kv_connector_extra_config.store) · "
+        f"index {index} (kv_connector_extra_config.index)\n"
+    )
+    # another secret: another key id, so the two pods would not share KV
+    monkeypatch.setenv("KVCLOUD_SECRET", "other-secret")
+    _, other, _ = _vllm(capsys, f"@{path}")
+    assert other["key_id"] != report["key_id"]
+
+
+def test_vllm_config_from_the_environment_and_the_connector_module(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, index = _embedded(tmp_path)
+    monkeypatch.setenv("KVCLOUD_STORE", store)
+    monkeypatch.setenv("KVCLOUD_INDEX", index)
+    transfer = {**TRANSFER, "kv_connector_module_path": "kvcloud.integrations.vllm.connector"}
+    rc, report, _ = _vllm(capsys, transfer)
+    assert rc == 0, report
+    assert report["sources"] == {"store": "KVCLOUD_STORE", "index": "KVCLOUD_INDEX"}
+
+
+@pytest.mark.parametrize(
+    ("change", "says", "fix"),
+    [
+        ({"kv_connector": "LMCacheConnectorV1"}, "another connector", '"KVCloudConnector"'),
+        ({"kv_connector_module_path": None}, "is missing", "kvcloud.integrations.vllm"),
+        ({"kv_connector_module_path": "kvcloud.vllm"}, "'kvcloud.vllm'", "kv_connector_module"),
+        ({"kv_role": None}, "kv_role is None", "kv_both"),
+    ],
+)
+def test_vllm_config_wrong_connector_is_a_fail_with_the_fix(
+    change: dict,
+    says: str,
+    fix: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    store, index = _embedded(tmp_path)
+    transfer = {k: v for k, v in {**TRANSFER, **change}.items() if v is not None}
+    transfer["kv_connector_extra_config"] = {"store": store, "index": index}
+    rc, report, _ = _vllm(capsys, transfer)
+    check = _by_name(report)[("vllm", "connector")]
+    assert rc == 1 and check["status"] == "FAIL"
+    assert says in check["detail"] and fix in check["fix"], check
+
+
+def test_vllm_config_on_the_embedded_default_fails_and_creates_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without KVCLOUD_STORE/KVCLOUD_INDEX each vLLM writes a private file:// + sqlite://
+    under ~/.cache that no other pod reads: for a fleet that is the failure to report."""
+    monkeypatch.delenv("KVCLOUD_STORE", raising=False)
+    monkeypatch.delenv("KVCLOUD_INDEX", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    rc, report, err = _vllm(capsys, TRANSFER)
+    checks = _by_name(report)
+    assert rc == 1
+    for role in ("store", "index"):
+        check = checks[("vllm", role)]
+        assert check["status"] == "FAIL" and "private to this machine" in check["detail"]
+        assert check["fix"].startswith("set KVCLOUD_STORE and KVCLOUD_INDEX")
+    assert ("store", "probe") not in checks  # nothing probed (or created) there
+    assert not (tmp_path / "cache").exists()
+    assert report["sources"]["store"] == "default: KVCLOUD_STORE unset" and err == ""
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("{not json", "not JSON"),
+        ("[1, 2]", "a JSON object"),
+        ("@/nonexistent/kv.json", "cannot read it"),
+        (json.dumps({**TRANSFER, "kv_connector_extra_config": {"nope": 1}}), "unknown"),
+        (json.dumps({**TRANSFER, "kv_connector_extra_config": {"secret": "x"}}), "secret"),
+        (json.dumps({**TRANSFER, "kv_connector_extra_config": {"load_mode": "x"}}), "load_mode"),
+    ],
+)
+def test_vllm_config_errors_exit_2_in_one_line(
+    value: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, report, err = _vllm(capsys, value)
+    assert rc == 2 and report == {}
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("kvcloud doctor: error: ") and says in line, err
+
+
+def test_vllm_config_rejects_what_the_environment_sets_wrong(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's write-back is not the connector's: vLLM would refuse to start."""
+    monkeypatch.setenv("KVCLOUD_WRITE_POLICY", "write-back")
+    rc, _, err = _vllm(capsys, TRANSFER)
+    assert rc == 2 and "write_policy 'write-back'" in err
+    store, _ = _embedded(tmp_path)
+    monkeypatch.delenv("KVCLOUD_WRITE_POLICY")
+    rc, _, err = _vllm(capsys, TRANSFER, "--store", store)
+    assert rc == 2 and "drop --store/--index" in err
+
+
+def test_vllm_config_probes_with_the_connectors_timeouts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Redis that never answers costs the connector's read timeout, not kvcloud's own."""
+    import socket
+
+    store, _ = _embedded(tmp_path)
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(16)
+    port = hung.getsockname()[1]
+    extra = {"store": store, "index": f"redis://127.0.0.1:{port}/0", "read_timeout": 0.3}
+    try:
+        start = time.monotonic()
+        rc, report, _ = _vllm(capsys, {**TRANSFER, "kv_connector_extra_config": extra})
+        elapsed = time.monotonic() - start
+    finally:
+        hung.close()
+    assert rc == 1 and elapsed < 10
+    check = _by_name(report)[("index", "reachable")]
+    assert check["status"] == "FAIL" and f"127.0.0.1:{port}" in check["detail"]
+
+
+def test_vllm_config_imports_neither_vllm_nor_torch(tmp_path: Path) -> None:
+    store, index = _embedded(tmp_path)
+    transfer = json.dumps(
+        {**TRANSFER, "kv_connector_extra_config": {"store": store, "index": index}}
+    )
+    code = (
+        "import sys\n"
+        "from kvcloud.tools.cli import main\n"
+        f"rc = main(['doctor', '--vllm-config', {transfer!r}])\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch'))\n"
+        "print('RC', rc, 'HEAVY', heavy)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "KVCLOUD_SECRET": "s"},
+    )
+    assert "RC 0 HEAVY []" in r.stdout, r.stdout + r.stderr
 
 
 # --- stats --prometheus ----------------------------------------------------------------------

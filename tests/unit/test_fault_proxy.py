@@ -1,4 +1,4 @@
-"""The fault proxy's throttle mode (scripts/fault_proxy.py), which the cost-guard benchmark
+"""The fault proxy's throttle mode (scripts/fleet/fault_proxy.py), which the cost-guard benchmark
 uses as a store slower than recompute: answers are paced to the set rate, requests are not."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import socket
 import threading
 import time
 
-from scripts.fault_proxy import FaultProxy
+from scripts.fleet.fault_proxy import FaultProxy
 
 
 def test_throttle_paces_answers_to_the_rate() -> None:

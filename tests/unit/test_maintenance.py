@@ -173,7 +173,8 @@ def test_verify_clean_then_missing_object_and_repair(
         assert [(x["kind"], x["object_key"]) for x in d["problems"]] == [("missing", victim)]
 
         rc, d = run_cli(["verify", "--repair", *env.cli], capsys)
-        assert rc == 1 and d["entries_dropped"] == 1  # it reports what it found and fixed
+        # it reports what it found and fixed; everything fixed: exit 0
+        assert rc == 0 and d["entries_dropped"] == 1 and d["problems_left"] == 0
         after = entries(kv)
         assert before - after == {e for e in before if e[2] == victim}
         assert len(before - after) == 1
@@ -208,7 +209,8 @@ def test_verify_truncated_and_bit_flipped(env: Env, capsys: pytest.CaptureFixtur
         assert bad["corrupt"].object_key == flipped and "digest" in bad["corrupt"].detail
 
         rc, d = run_cli(["verify", "--deep", "--repair", *env.cli], capsys)
-        assert rc == 1 and d["entries_dropped"] == 2 and d["objects_deleted"] == 2
+        assert rc == 0 and d["entries_dropped"] == 2 and d["objects_deleted"] == 2
+        assert d["problems_left"] == 0 and not d["clean"]  # found, and all repaired
         assert short not in objects(kv) and flipped not in objects(kv)
         assert verify(kv.store, kv.index, deep=True).clean
         # pushing the prompts again writes fresh, valid objects under the same keys
@@ -220,9 +222,12 @@ def test_verify_truncated_and_bit_flipped(env: Env, capsys: pytest.CaptureFixtur
         assert verify(kv.store, kv.index, deep=True).clean
 
 
-def test_verify_header_mismatch_and_broken_session(env: Env) -> None:
+def test_verify_header_mismatch_and_broken_session(
+    env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
     """--deep catches an entry naming a valid object of another fingerprint; a session whose
-    object is gone is broken (exit 1) and --repair keeps the record (only copy of its tokens)."""
+    object is gone is broken (exit 1) and --repair keeps the record (only copy of its tokens),
+    so it still exits 1: a problem left."""
     with env.open() as kv:
         p = populate(kv)
         rec = next(r for r in kv.index.iter_entries() if r.entry.object_key == p.keys[0][0])
@@ -242,6 +247,8 @@ def test_verify_header_mismatch_and_broken_session(env: Env) -> None:
         assert prob.kind == "session_missing_object" and prob.object_key == tail
         assert SESSION not in (prob.session or "")  # ids are credentials: prefix only
         assert kv.load_session(p.ns, SESSION).tail_key == tail  # record kept
+        rc, d = run_cli(["verify", "--repair", *env.cli], capsys)
+        assert rc == 1 and d["problems_left"] == 1 and d["sessions_broken"] == 1
         # the session still resumes: its full chunks, then recompute the tail
         res = kv.pull_session(p.ns, kv.load_session(p.ns, SESSION))
         assert res.tokens == 2 * p.ns.chunk_tokens

@@ -155,7 +155,10 @@ def test_lookup_request_path_is_one_round_trip(
     assert idx.flush(5.0)
     after = _commandstats(redis_url)
     assert _delta(middle, after, "hset") == len(present)
-    assert _delta(middle, after, "hincrby") == 2
+    # the two counters, and the renewed hits moved in the exporter's bookkeeping from their
+    # old expiry slot to the new one: entries, bytes, tokens out of one slot (two, where the
+    # registrations straddled a slot's end) into another, summed per slot (redis_stats.py)
+    assert 2 + 6 <= _delta(middle, after, "hincrby") <= 2 + 9
     for i in present:
         assert (_expires_at(client, idx, NS, hfp(i)) or 0) >= start + 99
     assert all(_expires_at(client, idx, NS, hfp(i)) is None for i in range(1, n, 2))

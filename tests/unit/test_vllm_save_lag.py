@@ -24,22 +24,34 @@ def test_each_chunk_is_timed_until_its_entry_is_visible(tmp_path: Path) -> None:
 
     kvc.store.put = held_put  # type: ignore[method-assign]
     lags: list[float] = []
+    uploads: list[float] = []
     seen_at_observe: list[int] = []
 
-    def observe(seconds: float) -> None:
+    def observe(name: str, seconds: float) -> None:
+        if name == "upload_seconds":
+            uploads.append(seconds)
+            return
+        assert name == "save_lag_seconds"
         # the entry is visible when the lag is taken, never before
         seen_at_observe.append(kvc.lookup(ns, tokens).tokens)
         lags.append(seconds)
 
-    up = Uploader(kvc, ns, 8, counts.update, observe_lag=observe)
+    up = Uploader(kvc, ns, 8, counts.update, observe=observe)
     for fp, parent, arr in chunks:
         assert up.offer("default", fp, parent, arr)
     hold = 0.3
     time.sleep(hold)
+    assert up.depth() == 4  # the upload_queue_depth gauge: queued or in the held push
     gate.set()
     up.close()
+    assert up.depth() == 0
     assert len(lags) == 4
     assert min(lags) >= hold  # the store held every put: each lag covers that wait
+    # the upload time runs from the chunk taken off the queue: within the lag, and it
+    # covers the held put too (the uploader took the first chunk at once)
+    assert len(uploads) == 4
+    assert all(u <= lag for u, lag in zip(uploads, lags, strict=True))
+    assert max(uploads) >= hold * 0.9
     assert seen_at_observe and min(seen_at_observe) == len(tokens)
     kvc.close()
 
@@ -51,8 +63,8 @@ def test_a_failed_push_is_not_timed(tmp_path: Path) -> None:
         raise OSError("disk gone")
 
     kvc.store.put = broken  # type: ignore[method-assign]
-    lags: list[float] = []
-    up = Uploader(kvc, ns, 8, Counter().update, observe_lag=lags.append)
+    lags: list[tuple[str, float]] = []
+    up = Uploader(kvc, ns, 8, Counter().update, observe=lambda *seen: lags.append(seen))
     for fp, parent, arr in chunks:
         up.offer("default", fp, parent, arr)
     up.close()

@@ -21,7 +21,7 @@ from kvcloud.integrations.vllm.keys import (
     request_tenant,
     vllm_namespace,
 )
-from scripts.vllm_config_checks import LONGROPE
+from scripts.checks.vllm_config_checks import LONGROPE
 
 
 def test_extra_config_wins_over_environment() -> None:

@@ -18,7 +18,7 @@ blamed on the store.
 
 Timing bounds are kept out of these tests (they run on a shared 2-core machine): what is
 asserted is behaviour (counts, order, that a wait ended because what it waited for happened
-or because its deadline passed); how fast it is belongs to scripts/bench_vllm_*.py.
+or because its deadline passed); how fast it is belongs to scripts/bench/bench_vllm_*.py.
 """
 
 from __future__ import annotations
@@ -520,6 +520,11 @@ def test_restores_report_their_rate_to_the_scheduler_side(tmp_path: Path) -> Non
     assert meta.beside_bytes == size and meta.beside_s > 0
     assert meta.in_step_bytes == 0 and meta.in_step_s == 0
     assert ws.build_worker_meta() is None  # reported once
+    # and to vLLM's metrics: one restore beside the pass, its time and bytes (histograms)
+    stats = ws.take_stats()
+    assert stats["restore_seconds"] == [pytest.approx(meta.beside_s)]
+    assert stats["restore_bytes"] == [size] and "restore_in_step_seconds" not in stats
+    assert stats.get("restores_in_flight", 0) == 0  # it ended
     spec.sync, spec.req_id = True, "in-step"
     ws.start_load_kv(SimpleNamespace(loads=[spec], saves=[]))  # type: ignore[arg-type]
     forward(ws)
@@ -527,6 +532,9 @@ def test_restores_report_their_rate_to_the_scheduler_side(tmp_path: Path) -> Non
     meta = ws.build_worker_meta()
     assert meta is not None and meta.in_step_bytes == size and meta.in_step_s > 0
     assert meta.beside_bytes == 0
+    stats = ws.take_stats()
+    assert stats["restore_in_step_seconds"] == [pytest.approx(meta.in_step_s)]
+    assert "restore_seconds" not in stats
     # two ranks' reports add up (vLLM aggregates the workers' metadata)
     other = KVCloudWorkerMeta(in_step_bytes=10, in_step_s=1.0, beside_bytes=5, beside_s=2.0)
     total = meta.aggregate(other)
@@ -781,9 +789,12 @@ def test_an_in_step_restore_never_queues_behind_restores_beside_the_pass(
     assert_blocks_hold(ws, kv, in_step, range(2))
     stats = ws.take_stats()
     assert "load_timeouts" not in stats and stats["loaded_tokens"] == 4 * BS
+    # the gauge: the restore beside the pass is still in flight, the one in the step ended
+    assert stats["restores_in_flight"] == 1
     for gate in gates.values():
         gate.set()
     assert finish(ws, "beside") == set()
+    assert ws.take_stats()["restores_in_flight"] == 0  # sent once more: it changed
 
 
 def test_a_restore_that_timed_out_queued_here_is_recomputed_but_not_blamed_on_the_store(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.vllm_fleet import SMOLLM2, VLLM_PYTHON, VLLMServer
+from scripts.fleet.vllm_fleet import SMOLLM2, VLLM_PYTHON, VLLMServer
 
 if not VLLM_PYTHON.exists() or not (SMOLLM2 / "config.json").exists():
     raise RuntimeError(

@@ -8,7 +8,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from scripts.vllm_fleet import VLLMServer, completion_ids
+from scripts.fleet.vllm_fleet import VLLMServer, completion_ids
 from tests.vllm.conftest import prompt_tokens
 
 ANSWER = 40  # tokens per answer (ignore_eos: always this many)

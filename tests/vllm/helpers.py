@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from scripts.vllm_fleet import completion_ids, connector_namespace, wait_stored
+from scripts.fleet.vllm_fleet import completion_ids, connector_namespace, wait_stored
 
 __all__ = [
     "LOGPROB_BOUND",

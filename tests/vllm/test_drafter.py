@@ -1,6 +1,6 @@
 """Speculative decoding with an EAGLE drafter: its draft layer's KV (``model.layers.30``,
 after SmolLM2's 30) is stored and restored with the target's, and checked against a vLLM
-without the connector running the same drafter (scripts/build_tiny_eagle.py: an EAGLE head
+without the connector running the same drafter (scripts/models/build_tiny_eagle.py: an EAGLE head
 made from SmolLM2's own weights, whose proposals vLLM accepts about a third of the time).
 
 A restore must give the same greedy answer (the target's KV), and the same proposals: the
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.vllm_fleet import EAGLE, VLLMServer, cached_tokens, kvcloud_transfer_config
+from scripts.fleet.vllm_fleet import EAGLE, VLLMServer, cached_tokens, kvcloud_transfer_config
 from tests.vllm.conftest import embedded_env, prompt_tokens, serving
 from tests.vllm.helpers import assert_same_answer, wait_stored
 
@@ -85,7 +85,7 @@ def drafter_namespace():  # type: ignore[no-untyped-def]
     """SmolLM2's namespace with the drafter: its layer after the target's 30, and the
     drafter's method and checkpoint digest in ``extra``."""
     from kvcloud.integrations.vllm.keys import checkpoint_digest
-    from scripts.vllm_fleet import connector_namespace
+    from scripts.fleet.vllm_fleet import connector_namespace
 
     plain = connector_namespace()
     extra = json.loads(plain.extra)

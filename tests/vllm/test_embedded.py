@@ -19,7 +19,7 @@ import pytest
 
 from kvcloud import KVCloud
 from kvcloud.integrations.vllm.keys import request_tenant
-from scripts.vllm_fleet import (
+from scripts.fleet.vllm_fleet import (
     VLLMServer,
     cached_tokens,
     completion_ids,

@@ -4,7 +4,7 @@ blocks behind its window handed back to vLLM's pool.
 
 The model is a seeded random tiny Llama whose even layers slide over 320 tokens and odd
 layers attend to everything (``layer_types``, as Gemma 2/3 and gpt-oss; built at install
-time by scripts/build_tiny_sliding.py), with SmolLM2's tokenizer. Two servers with the
+time by scripts/models/build_tiny_sliding.py), with SmolLM2's tokenizer. Two servers with the
 connector share one store; a third, without it, is the reference: a prefix one server
 stored, restored by the other (each group into its own blocks, the sliding group inside
 its window only), gives the reference's greedy answer; so does a conversation whose
@@ -22,7 +22,7 @@ import pytest
 
 from kvcloud import Namespace
 from kvcloud.integrations.vllm.keys import checkpoint_digest
-from scripts.vllm_fleet import (
+from scripts.fleet.vllm_fleet import (
     SLIDING,
     VLLMServer,
     cached_tokens,

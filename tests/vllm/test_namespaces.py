@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.vllm_fleet import VLLMServer, cached_tokens, kvcloud_transfer_config
+from scripts.fleet.vllm_fleet import VLLMServer, cached_tokens, kvcloud_transfer_config
 from tests.vllm.conftest import embedded_env, prompt_tokens, serving
 from tests.vllm.helpers import wait_stored
 

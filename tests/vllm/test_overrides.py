@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from kvcloud import Namespace
-from scripts.vllm_fleet import VLLMServer, cached_tokens, kvcloud_transfer_config
+from scripts.fleet.vllm_fleet import VLLMServer, cached_tokens, kvcloud_transfer_config
 from tests.vllm.conftest import embedded_env, prompt_tokens, serving
 from tests.vllm.helpers import (
     assert_same_answer,

@@ -30,7 +30,7 @@ import kvcloud
 from kvcloud import KVCloud
 from kvcloud.stores import S3Config
 from kvcloud.tools.sizing import FleetLoad, model_kv, read_config, size_fleet
-from scripts.vllm_fleet import (
+from scripts.fleet.vllm_fleet import (
     ROOT,
     SMOLLM2,
     VLLM_PYTHON,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.vllm_fleet import VLLMServer, kvcloud_transfer_config
+from scripts.fleet.vllm_fleet import VLLMServer, kvcloud_transfer_config
 from tests.vllm.conftest import embedded_env, prompt_tokens, serving
 from tests.vllm.helpers import objects_per_chunk, restore_and_compare, wait_stored
 from tests.vllm.test_tensor_parallel import CHUNK, TP2, tiny_namespace
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from scripts.build_tiny_llama import build
+    from scripts.models.build_tiny_llama import build
 
     return build(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 

@@ -25,7 +25,7 @@ import pytest
 
 from kvcloud import KVCloud
 from kvcloud.integrations.vllm.keys import request_scope
-from scripts.vllm_fleet import (
+from scripts.fleet.vllm_fleet import (
     LORA,
     VLLMServer,
     cached_tokens,

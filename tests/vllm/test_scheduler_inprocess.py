@@ -4,7 +4,7 @@ after vLLM preempts the request and resumes it (issue 40 defect 1).
 
 With the V2 model runner vLLM sends a resumed request as a new one (``resumed_req_ids``
 stays empty); with the V1 one, as a cached request in ``resumed_req_ids``. Both are run.
-No model and no server: scripts/vllm_scheduler_inprocess.py fabricates each step's runner
+No model and no server: scripts/checks/vllm_scheduler_inprocess.py fabricates each step's runner
 output, so vLLM's import is most of the time (~20 s of CPU): one process per set-up runs both
 model runners' semantics, and the first one also runs the asynchronous-load scenarios.
 
@@ -38,13 +38,13 @@ from typing import Any
 
 import pytest
 
-from scripts.fault_proxy import FaultProxy
-from scripts.vllm_fleet import ROOT, VLLM_PYTHON
+from scripts.fleet.fault_proxy import FaultProxy
+from scripts.fleet.vllm_fleet import ROOT, VLLM_PYTHON
 from tests.servers import start_redis
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-SCRIPT = ROOT / "scripts" / "vllm_scheduler_inprocess.py"
+SCRIPT = ROOT / "scripts" / "checks" / "vllm_scheduler_inprocess.py"
 
 # Two set-ups whose preemptions vLLM's scheduling makes the same on every run (they depend
 # on sizes only, never on the random token values):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.vllm_fleet import VLLMServer, cached_tokens, kvcloud_transfer_config
+from scripts.fleet.vllm_fleet import VLLMServer, cached_tokens, kvcloud_transfer_config
 from tests.vllm.conftest import embedded_env, prompt_tokens, start_all
 from tests.vllm.helpers import assert_same_answer, wait_stored
 

@@ -3,7 +3,7 @@ directions, each answer equal to a vLLM without the connector at the same TP siz
 
 SmolLM2's 9 attention heads cannot be split in two, so these servers serve a seeded random
 tiny Llama (4 attention heads over 2 KV heads, 4 layers, SmolLM2's tokenizer;
-scripts/build_tiny_llama.py). The TP-2 servers bind one OpenMP thread per rank to each core
+scripts/models/build_tiny_llama.py). The TP-2 servers bind one OpenMP thread per rank to each core
 (``VLLM_CPU_OMP_THREADS_BIND="0|1"``, which vLLM's CPU backend needs for TP > 1). A chunk the
 TP-2 vLLM saves is stored as two parts, one per rank's KV head, registered by its scheduler
 once both are in; the TP-1 vLLM reads both; the TP-2 vLLM reads its heads of the whole chunks
@@ -20,7 +20,7 @@ import pytest
 
 from kvcloud import Namespace
 from kvcloud.integrations.vllm.keys import checkpoint_digest
-from scripts.vllm_fleet import VLLMServer, kvcloud_transfer_config
+from scripts.fleet.vllm_fleet import VLLMServer, kvcloud_transfer_config
 from tests.vllm.conftest import embedded_env, prompt_tokens, serving
 from tests.vllm.helpers import objects_per_chunk, restore_and_compare, wait_stored
 
@@ -32,7 +32,7 @@ TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from scripts.build_tiny_llama import build
+    from scripts.models.build_tiny_llama import build
 
     return build(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 

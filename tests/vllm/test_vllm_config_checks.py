@@ -1,7 +1,7 @@
 """The connector against vLLM's own classes, no model and no server: vLLM's Phi-3 LongRoPE
 and ``ModelConfig`` (the rope in the namespace), the connector's answers to vLLM 0.33's
 sleep-mode hooks, its vLLM version check at start, and vLLM's ``CUDAGraphMode`` values as
-the worker side reads them. The suite's venv has no vLLM: scripts/vllm_config_checks.py runs
+the worker side reads them. The suite's venv has no vLLM: scripts/checks/vllm_config_checks.py runs
 every check in one ``.venv-vllm`` process (vLLM's import is most of the time) and reports
 what it saw; the asserts are here.
 """
@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
-from scripts.vllm_fleet import ROOT, VLLM_PYTHON
+from scripts.fleet.vllm_fleet import ROOT, VLLM_PYTHON
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
-SCRIPT = ROOT / "scripts" / "vllm_config_checks.py"
+SCRIPT = ROOT / "scripts" / "checks" / "vllm_config_checks.py"
 SLEEP_REFUSED = "does not support vLLM sleep mode"
 
 

@@ -102,7 +102,7 @@ class PagesMixin:
                 and not cp.uploading
                 and self.options.write_policy == "write-back"
             ):
-                # the seed's policy: snapshot the segment as it leaves memory
+                # write-back: snapshot the segment as it leaves memory
                 self.uploader.offer(
                     UploadItem(cp.fp, cp.parent, self._page_array(cp.page), tenant=cp.tenant)
                 )

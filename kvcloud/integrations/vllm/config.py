@@ -36,6 +36,14 @@ class VLLMConnectorConfig:
     """Index URL (``redis://host:6379/0``, ``redis+cluster://…``, ``sqlite:///path``); empty:
     kvcloud's default ``sqlite://~/.cache/kvcloud/index.db``."""
 
+    require: bool = field(default=False, metadata={"env": "KVCLOUD_REQUIRE"})
+    """Refuse to start, with one line saying why, unless this server can share: the store
+    and index are set (not the embedded default, a private ``file://`` + ``sqlite://``
+    under ``~/.cache`` on this machine), ``KVCLOUD_SECRET`` is set, and a write, read and
+    delete of a probe object and an index round trip succeed at start (bounded by
+    ``2 × (connect_timeout + read_timeout)``). For a fleet: a pod that would run alone, or
+    against a missing bucket or refused credentials, never becomes ready."""
+
     tenant: str = field(default="default", metadata={"env": "KVCLOUD_TENANT"})
     """Tenant whose fingerprint key this vLLM uses. A request's ``cache_salt`` is folded into
     it, so requests with different salts never share KV."""
@@ -250,6 +258,8 @@ class VLLMConnectorConfig:
             )
         if self.load_mode not in LOAD_MODES:
             raise ConfigError(f"load_mode {self.load_mode!r}: use one of {', '.join(LOAD_MODES)}")
+        if not isinstance(self.require, bool):
+            raise ConfigError(f"require must be true or false, got {self.require!r}")
         if not isinstance(self.save_decode, bool):
             raise ConfigError(f"save_decode must be true or false, got {self.save_decode!r}")
         if (
@@ -272,6 +282,20 @@ class VLLMConnectorConfig:
             raise ConfigError(f"cost_margin must be >= 0 (0: off), got {self.cost_margin!r}")
         if not isinstance(self.min_hit_tokens, int) or self.min_hit_tokens < 0:
             raise ConfigError(f"min_hit_tokens must be >= 0, got {self.min_hit_tokens!r}")
+
+    @property
+    def embedded(self) -> list[str]:
+        """The variables left unset, so that this server uses the embedded default."""
+        return [
+            name
+            for name, value in (("KVCLOUD_STORE", self.store), ("KVCLOUD_INDEX", self.index))
+            if not value
+        ]
+
+    @property
+    def probe_timeout(self) -> float:
+        """The longest the start-time probe of ``require`` may take."""
+        return 2 * (self.connect_timeout + self.read_timeout)
 
     def breaker(self, name: str, clock: Any, on_change: Any = None) -> CircuitBreaker:
         """A circuit breaker for the index or the store, with these settings."""

@@ -37,6 +37,7 @@ from .metadata import (
 from .scheduler import SchedulerSide
 from .shard import Shard, shard_of
 from .specs import KVCloudWorkerMeta, StepSpec, whole_failures
+from .startup import check_at_start, identity
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -148,7 +149,10 @@ class KVCloudConnector(KVConnectorBase_V1, SupportsHMA):
                 if role != KVConnectorRole.SCHEDULER
                 else _shard_of_rank0(vllm_config, ns, cfg.head_parts)
             )
-            client = KVCloud.open(config=cfg.client_config())
+            client_cfg = cfg.client_config()
+            if role == KVConnectorRole.SCHEDULER:  # once per engine, not per worker
+                check_at_start(cfg, client_cfg)
+            client = KVCloud.open(config=client_cfg)
             # uploads get a client of their own (connections, threads): never in a load's way
             upload_client = (
                 KVCloud.open(config=cfg.client_config())
@@ -193,13 +197,17 @@ class KVCloudConnector(KVConnectorBase_V1, SupportsHMA):
                 upload_client=upload_client,
                 shard=shard,
             )
+        who = identity(cfg, client_cfg)
         log.info(
-            "kvcloud %s connector (%s): store %s, index %s, namespace %s (%s, %d layers, "
-            "%d KV heads × %d, %s, chunk %d tokens), writes %s",
+            "kvcloud %s connector (%s): store %s, index %s, key id %s (tenant %s), "
+            "namespace %s (%s, %d layers, %d KV heads × %d, %s, chunk %d tokens), "
+            "writes %s, loads %s%s",
             __version__,
             role.name.lower(),
             client.store.url,
             client.index.url,
+            who["key_id"],
+            cfg.tenant,
             ns.id,
             ns.model,
             ns.num_layers,
@@ -208,6 +216,10 @@ class KVCloudConnector(KVConnectorBase_V1, SupportsHMA):
             ns.dtype,
             ns.chunk_tokens,
             cfg.write_policy,
+            cfg.load_mode,
+            ", backends probed (KVCLOUD_REQUIRE)"
+            if cfg.require and role == KVConnectorRole.SCHEDULER
+            else "",
         )
         if whole_failures(windows):
             log.info(

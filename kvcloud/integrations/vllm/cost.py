@@ -1,5 +1,5 @@
-"""The cost guard: a hit is loaded only where restoring it beats computing it (DESIGN,
-invariant 5: never slower than recompute).
+"""The cost guard: a hit is loaded only where restoring it beats computing it (invariant
+5, never slower than recompute: docs/ARCHITECTURE.md).
 
 The workers measure two rates and report them with each step (specs.KVCloudWorkerMeta):
 how many tokens per second their forward passes compute (passes of at least a chunk, with

@@ -46,7 +46,7 @@ _FP8_BASE = 8
 # a write into at most this many runs of consecutive blocks is done as slice copies: on CPU
 # ``copy_`` of a slice is two to four times faster than ``index_copy_`` of the same blocks,
 # and a chunk's blocks are one run unless the server's free list is fragmented
-# (scripts/bench_vllm_block_copy.py)
+# (scripts/bench/bench_vllm_block_copy.py)
 _MAX_SLICES = 2
 
 

@@ -26,8 +26,9 @@ blocks are reported after that same step (vLLM then discards the step's output f
 and recomputes). Where a full CUDA graph may replay the step, no per-layer hook runs:
 ``start_load_kv`` then returns only once every restore in the step is written or given up
 (``full_graphs``). No byte reaches vLLM's cache before it is verified: each layer of a chunk is
-checked against its digest in the header before it is written (DESIGN §4.3); the blocks of a
-chunk whose later layer fails are reported for recompute with it. Nothing here raises into vLLM.
+checked against its digest in the header before it is written (invariant 3, verify on
+read); the blocks of a chunk whose later layer fails are reported for recompute with it.
+Nothing here raises into vLLM.
 
 A circuit breaker on the store, and a memory of objects whose pull failed or timed out,
 keep a sick store from costing every request a timeout; both are reported to the scheduler
@@ -175,6 +176,7 @@ class Restores:
     layouts: dict[str, BlockLayout]
     _chunk_shape: tuple[int, ...]
     count: Callable[..., None]
+    observe: Callable[[str, float], None]
 
     def __init__(self, cfg: VLLMConnectorConfig, clock: Any) -> None:
         self._clock = clock
@@ -207,6 +209,10 @@ class Restores:
     def _breaker_changed(self, old: str, new: str) -> None:
         if new == "open":
             self.count(store_breaker_opened=1)
+
+    def restores_in_flight(self) -> int:
+        """Restores submitted and not yet ended (queued here or pulling): the gauge."""
+        return sum(1 for load in list(self._loads.values()) if not load.ended)
 
     def _in_step_load(self, spec: LoadSpec) -> bool:
         # the scheduler side decides (``spec.sync``); the worker's own setting only counts
@@ -508,8 +514,11 @@ class Restores:
                 load_write_cpu_us=int(1e6 * load.write_cpu_s),
                 loaded_bytes=pulled,
             )
+            in_step = self._in_step_load(spec)
+            self.observe("restore_in_step_seconds" if in_step else "restore_seconds", seconds)
+            self.observe("restore_bytes", pulled)
             if pulled:
-                moved = self._in_step if self._in_step_load(spec) else self._beside
+                moved = self._in_step if in_step else self._beside
                 with self._meta_lock:
                     moved.bytes += pulled
                     moved.seconds += seconds

@@ -1,5 +1,5 @@
 """The scheduler side's index lookups: one per new request, on lookup threads, waited for
-within one ``lookup_wait_ms`` per scheduler step (DESIGN §4, invariant 7).
+within one ``lookup_wait_ms`` per scheduler step (a slow index never stalls the engine).
 
 A request's lookup starts when vLLM first sees it (``on_new_request``). When vLLM asks for its
 hit the answer is usually back; if not, the ask answers ``None`` ("ask again next step") and
@@ -72,6 +72,7 @@ class Lookups:
     client: KVCloud
     index_breaker: CircuitBreaker
     count: Callable[..., None]
+    observe: Callable[[str, float], None]
     _clock: Callable[[], float]
     _plans: dict[str, Plan]
     _pending: dict[str, Pending]
@@ -133,7 +134,9 @@ class Lookups:
         finally:
             # from the request's arrival: a lookup queued behind others, or starved of the
             # CPU or the GIL by the forward pass, is what defers a request a step
-            self.count(lookup_us=(time.perf_counter_ns() - submitted_ns) // 1000)
+            took_ns = time.perf_counter_ns() - submitted_ns
+            self.count(lookup_us=took_ns // 1000)
+            self.observe("lookup_seconds", took_ns / 1e9)
 
     def _lookup_plan(self, rid: str, tenant: str, tokens: list[int]) -> Plan:
         t0 = time.perf_counter()

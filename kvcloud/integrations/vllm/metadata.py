@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from .specs import LoadSpec, SaveSpec
+from .startup import INFO_LABELS, info_labels
 
 
 @dataclass
@@ -76,6 +77,7 @@ COUNTERS: dict[str, str] = {
     "chunks_pushed": "chunks newly stored by the uploader",
     "chunks_already_stored": "chunks the uploader found already in the index",
     "push_failures": "chunks the uploader could not store",
+    "pushed_bytes": "object bytes the uploader stored (a part found already stored counts)",
     "upload_dropped": "chunks dropped because the upload queue was full",
     # counted by the worker as it stops, after its last report: on /metrics only where the
     # engine reports again (never after a server's stop); the stop's log line says it too
@@ -89,7 +91,32 @@ COUNTERS: dict[str, str] = {
 
 # observations, each step's sent as a list and exported as histograms
 # (``vllm:kvcloud_<name>``): name -> (documentation, bucket upper bounds)
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_BYTES = tuple(float(2**n) for n in range(16, 34, 2))  # 64 KiB to 8 GiB, ×4
+
 HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
+    "lookup_seconds": (
+        "seconds from a request's arrival to the index's answer to its lookup (scheduler)",
+        _SECONDS,
+    ),
+    "restore_seconds": (
+        "seconds a restore beside the forward pass took: pull, verify, write into vLLM's "
+        "blocks (the request waited this long; the batch did not)",
+        _SECONDS,
+    ),
+    "restore_in_step_seconds": (
+        "seconds a restore inside the step took (every request of the batch waited for it)",
+        _SECONDS,
+    ),
+    "restore_bytes": ("object bytes one restore pulled from the store", _BYTES),
+    "save_seconds": (
+        "seconds vLLM's forward thread spent in a step copying chunks out for saving",
+        _SECONDS,
+    ),
+    "upload_seconds": (
+        "seconds from a chunk taken off the upload queue to stored and registered",
+        (*_SECONDS, 30.0),
+    ),
     "save_lag_seconds": (
         "seconds from a chunk's last token computed (the end of its step) to its entry "
         "visible in the index; a next turn sent sooner misses that chunk",
@@ -102,6 +129,8 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
 GAUGES: dict[str, str] = {
     "index_breaker_open": "1 while the index circuit breaker is open (lookups are skipped)",
     "store_breaker_open": "1 while the store circuit breaker is open (loads are skipped)",
+    "upload_queue_depth": "chunks waiting for upload or being pushed (the busiest worker)",
+    "restores_in_flight": "restores submitted and not yet ended (the busiest worker)",
 }
 
 
@@ -176,6 +205,18 @@ class KVCloudPromMetrics(KVConnectorPromMetrics):
                 multiprocess_mode="mostrecent",
             )
             self._gauges[name] = {idx: gauge.labels(*values) for idx, values in per_engine.items()}
+        # which servers share: the same key id, store and index (startup.identity)
+        transfer = getattr(vllm_config, "kv_transfer_config", None)
+        ident = info_labels(getattr(transfer, "kv_connector_extra_config", None))
+        info = self._gauge_cls(
+            name="vllm:kvcloud_info",
+            documentation="1 per engine; kvcloud's version, key id (servers with the same "
+            "one share), store, index, tenant, load mode and write policy as labels",
+            labelnames=[*labelnames, *INFO_LABELS],
+            multiprocess_mode="mostrecent",
+        )
+        for values in per_engine.values():
+            info.labels(*values, *(ident[k] for k in INFO_LABELS)).set(1)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():

@@ -1,7 +1,7 @@
 """Scheduler side: decide what each request loads from kvcloud and which chunks it pushes.
 
 Tensor-free, and it never waits on the network for more than ``lookup_wait_ms`` per step
-(DESIGN §4, invariant 7):
+(a slow index never stalls the engine):
 
 - **Lookups run on their own threads** (lookups.py), waited for within one
   ``lookup_wait_ms`` per scheduler step; one still out is asked about again at the next
@@ -49,9 +49,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import threading
 import time
-from collections import Counter
 from typing import Any
 
 from ...client import KVCloud
@@ -62,6 +60,7 @@ from .expiring import Expiring
 from .lookups import Lookups, Pending, Plan
 from .saves import SaveNaming, Saving, more_groups, per_group
 from .specs import NULL_BLOCK, KVCloudWorkerMeta, LoadChunk, LoadSpec, StepSpec, whole_failures
+from .stats import SideStats
 
 log = logging.getLogger("vllm.kvcloud")
 
@@ -105,14 +104,12 @@ class SchedulerSide(Lookups, SaveNaming):
         self._unplanned: dict[str, LoadSpec] = {}  # allocated loads that failed to plan
         self._saving: dict[str, Saving] = {}
         self._requests: dict[str, Any] = {}  # vLLM's Request of each request seen, for saves
-        self.stats: Counter[str] = Counter()
-        self._stats_lock = threading.Lock()  # lookup threads count too
+        self._stats = SideStats()  # lookup threads report too
         self.index_breaker = cfg.breaker("index", clock, self._breaker_changed)
         self._lookups = cf.ThreadPoolExecutor(4, thread_name_prefix="kvcloud-lookup")
         # what the workers report: objects not to offer, and until when the store is out
         self._bad_objects = Expiring()
         self._store_out_until = 0.0
-        self._index_gauge = 0  # last value of the index_breaker_open gauge reported
         self._scheduler_ns = 0  # time spent in this class's calls on vLLM's thread
         # bytes per second of the workers' restores, in the step and beside it (moving
         # averages; None until one is measured): what load_mode=auto predicts from
@@ -128,8 +125,11 @@ class SchedulerSide(Lookups, SaveNaming):
         self._wait_left = cfg.lookup_wait_ms / 1000
 
     def count(self, **deltas: int) -> None:
-        with self._stats_lock:
-            self.stats.update(deltas)
+        self._stats.count(**deltas)
+
+    def observe(self, name: str, value: float) -> None:
+        """One observation for the histogram ``name`` (metadata.HISTOGRAMS)."""
+        self._stats.observe(name, value)
 
     def _breaker_changed(self, old: str, new: str) -> None:
         if new == "open":
@@ -412,16 +412,11 @@ class SchedulerSide(Lookups, SaveNaming):
         self._saving.pop(rid, None)
         self._requests.pop(rid, None)
 
-    def take_stats(self) -> dict[str, int]:
-        with self._stats_lock:
-            out = dict(self.stats)
-            self.stats.clear()
+    def take_stats(self) -> dict[str, Any]:
+        out = self._stats.take({"index_breaker_open": int(self.index_breaker.is_open)})
         if self._scheduler_ns:
             out["scheduler_us"] = self._scheduler_ns // 1000
             self._scheduler_ns = 0
-        gauge = int(self.index_breaker.is_open)
-        if gauge != self._index_gauge:
-            out["index_breaker_open"] = self._index_gauge = gauge
         return out
 
     def shutdown(self) -> None:

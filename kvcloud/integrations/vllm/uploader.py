@@ -62,13 +62,14 @@ class Uploader:
         ranges: list[tuple[int, int] | None] | None = None,
         layers: tuple[int, int] | None = None,
         stages: tuple[int, ...] | None = None,
-        observe_lag: Callable[[float], None] | None = None,
+        observe: Callable[[str, float], None] | None = None,
     ):
         self.client = client
-        # seconds from a chunk handed over (the end of the step that computed its last
-        # token) to its entry visible in the index: how stale a next turn sent at once finds
-        # the store (exported as a histogram)
-        self.observe_lag = observe_lag
+        # histograms: save_lag_seconds, from a chunk handed over (the end of the step that
+        # computed its last token) to its entry visible in the index (how stale a next turn
+        # sent at once finds the store); upload_seconds, from a chunk taken off the queue
+        # to stored and registered (a batch's chunks finish together)
+        self.observe = observe
         self._offered_at: dict[bytes, float] = {}
         self._offered_lock = threading.Lock()
         self.ns = ns
@@ -87,6 +88,7 @@ class Uploader:
         self.stages = stages
         self._queue: queue.Queue[_Item | None] = queue.Queue(capacity)
         self._busy = 0  # chunks in the push under way (taken from the queue, not yet done)
+        self._taken = 0.0  # when that push took them
         self._thread = threading.Thread(target=self._run, name="kvcloud-uploader", daemon=True)
         self._thread.start()
 
@@ -119,15 +121,20 @@ class Uploader:
         blocks (a copy the full queue then drops is wasted work on a sick store)."""
         return max(0, self._queue.maxsize - self._queue.qsize())
 
+    def depth(self) -> int:
+        """Chunks queued or in the push under way (the upload_queue_depth gauge)."""
+        return self._queue.qsize() + self._busy
+
     def _visible(self, fps: list[bytes], ok: bool) -> None:
         """These chunks' entries are in the index (``ok``), or given up on: their lag."""
         now = time.monotonic()
         with self._offered_lock:
             started = [self._offered_at.pop(fp, None) for fp in fps]
-        if ok and self.observe_lag is not None:
+        if ok and self.observe is not None:
             for t in started:
                 if t is not None:
-                    self.observe_lag(now - t)
+                    self.observe("save_lag_seconds", now - t)
+                    self.observe("upload_seconds", now - self._taken)
 
     def _run(self) -> None:
         lower_priority(self.nice)
@@ -149,6 +156,7 @@ class Uploader:
 
     def _push(self, batch: list[_Item]) -> None:
         self._busy = len(batch)
+        self._taken = time.monotonic()
         try:
             self._push_batch(batch)
         finally:
@@ -184,6 +192,7 @@ class Uploader:
                 chunks_pushed=res.pushed,
                 chunks_already_stored=res.already_indexed,
                 push_failures=res.failed,
+                pushed_bytes=res.bytes_written,
             )
 
     def _store_parts(self, batch: list[_Item]) -> None:
@@ -199,7 +208,7 @@ class Uploader:
                     key, size = self.client.store_part(
                         self.ns, fp, parent, sub, heads, layers=self.layers, tenant=tenant
                     )
-                    self.count(parts_pushed=1)
+                    self.count(parts_pushed=1, pushed_bytes=size)
                     registered |= self.client.offer_part(
                         self.ns, fp, heads, key, size, n, self.parts,
                         layers=self.layers, stages=self.stages,

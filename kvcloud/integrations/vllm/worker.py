@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,6 +41,7 @@ from .layout import BlockLayout, block_index, learn_layout
 from .loads import FP8_FORMATS, TORCH_DTYPES, Load, Restores
 from .shard import Shard, shard_of
 from .specs import NULL_BLOCK, KVCloudWorkerMeta, SaveChunk, SaveSpec, group_ids, whole_failures
+from .stats import SideStats
 from .uploader import Uploader
 
 if TYPE_CHECKING:
@@ -136,9 +136,7 @@ class WorkerSide(Restores):
         # a full CUDA graph may replay a step: restores in the step are then whole before
         # start_load_kv returns (no per-layer wait runs); a test may set it
         self.full_graphs = full_graphs_may_replay(vllm_config)
-        self.stats: Counter[str] = Counter()
-        self._stats_lock = threading.Lock()
-        self._lags: list[float] = []  # save lags since the last report (seconds)
+        self._stats = SideStats()
         self.upload_client = upload_client
         self.uploader = (
             Uploader(
@@ -152,7 +150,7 @@ class WorkerSide(Restores):
                 ranges=self.shard.write_ranges(),
                 layers=self.shard.layers,
                 stages=self.shard.stages,
-                observe_lag=self._save_lag,
+                observe=self.observe,
             )
             if cfg.write_policy != "off" and self.shard.writer
             else None
@@ -180,11 +178,13 @@ class WorkerSide(Restores):
         )
         self._passes = PassClock()  # forward passes timed for the prefill rate
         self._store_reported_open = False  # to the scheduler side
-        self._store_gauge = 0  # last value of the store_breaker_open gauge reported
 
     def count(self, **deltas: int) -> None:
-        with self._stats_lock:
-            self.stats.update(deltas)
+        self._stats.count(**deltas)
+
+    def observe(self, name: str, value: float) -> None:
+        """One observation for the histogram ``name`` (metadata.HISTOGRAMS)."""
+        self._stats.observe(name, value)
 
     # -- registration -----------------------------------------------------------------------
 
@@ -467,7 +467,9 @@ class WorkerSide(Restores):
                         continue
                     copies.append((spec, ch, buf))
         copied = self.streams.after_save()
-        self.count(save_us=int(1e6 * (time.monotonic() - started)))
+        took = time.monotonic() - started
+        self.count(save_us=int(1e6 * took))
+        self.observe("save_seconds", took)
         if skipped:
             self.count(saves_skipped=skipped)
         if dropped:
@@ -486,21 +488,14 @@ class WorkerSide(Restores):
 
     # -- stats and shutdown -----------------------------------------------------------------
 
-    def _save_lag(self, seconds: float) -> None:
-        with self._stats_lock:
-            if len(self._lags) < 100_000:  # bounded if nobody reads the stats
-                self._lags.append(seconds)
-
     def take_stats(self) -> dict[str, Any]:
-        with self._stats_lock:
-            out: dict[str, Any] = dict(self.stats)
-            self.stats.clear()
-            if self._lags:
-                out["save_lag_seconds"], self._lags = self._lags, []
-        gauge = int(self.store_breaker.is_open)
-        if gauge != self._store_gauge:
-            out["store_breaker_open"] = self._store_gauge = gauge
-        return out
+        return self._stats.take(
+            {
+                "store_breaker_open": int(self.store_breaker.is_open),
+                "upload_queue_depth": self.uploader.depth() if self.uploader is not None else 0,
+                "restores_in_flight": self.restores_in_flight(),
+            }
+        )
 
     def drain_budget(self) -> float:
         """Seconds the uploader may push at stop: ``drain_seconds``, within the windows this

@@ -1,7 +1,7 @@
 """``kvcloud bench store``: kvcloud's push, pull and lookup next to a plain client, in one run.
 
 Every figure is measured against a baseline that moves the same bytes to the same store with
-the same concurrency, in the same process and the same run (DESIGN §9: ratios, never absolute
+the same concurrency, in the same process and the same run (ratios, never absolute
 times alone):
 
 - push: ``KVCloud.push_chunks`` of N fresh chunks vs plain ``put_object`` (or ``open().write``

@@ -1,16 +1,26 @@
-"""``kvcloud verify`` and ``kvcloud gc``: thin wrappers around :func:`kvcloud.tools.verify.verify`
-and :func:`kvcloud.tools.gc.gc`, with a progress bar on a terminal.
+"""``kvcloud verify`` and ``kvcloud gc``: thin wrappers around ``kvcloud.tools.verify.verify``
+and ``kvcloud.tools.gc.gc``, with a progress bar on a terminal.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn
 
-from .common import add_backend_args, emit_json, human_bytes, open_backend_index, open_backend_store
+from .common import (
+    add_backend_args,
+    announce,
+    backend_config,
+    backend_sources,
+    emit_json,
+    human_bytes,
+    open_backend_index,
+    open_backend_store,
+)
 
 
 class _RichProgress:
@@ -48,6 +58,7 @@ _PROBLEMS_SHOWN = 20
 def cmd_verify(args: argparse.Namespace) -> int:
     from ..verify import verify
 
+    announce(args, backend_config(args))
     show = not args.json and sys.stderr.isatty()
     with (
         open_backend_store(args) as store,
@@ -57,9 +68,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         report = verify(
             store, index, deep=args.deep, repair=args.repair, progress=_RichProgress(progress)
         )
-        urls = {"store": store.url, "index": index.url}
+        urls = {"store": store.url, "index": index.url, "sources": backend_sources(args)}
+    left = problems_left(report)
     if args.json:
-        emit_json({**urls, **report.to_dict()})
+        emit_json({**urls, **report.to_dict(), "problems_left": left})
     else:
         r = report
         console = Console(highlight=False, soft_wrap=True)
@@ -87,8 +99,25 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 f"repair    dropped {r.entries_dropped:,} entries, deleted "
                 f"{r.objects_deleted:,} corrupt objects; session records are never deleted"
             )
-        console.print("[green]clean" if r.clean else "[red]problems found")
-    return 0 if report.clean else 1
+        if r.clean:
+            console.print("[green]clean")
+        elif not left:
+            console.print("[green]repaired: no problem left")
+        else:
+            console.print(
+                f"[red]problems found: {left:,} left"
+                + ("" if r.repair else " (--repair drops the bad entries)")
+            )
+    return 1 if left else 0
+
+
+def problems_left(report: Any) -> int:
+    """What verify found and did not fix: everything without ``--repair``; with it, the
+    broken session records (repair drops every bad entry, or finds it fixed meanwhile, but
+    never deletes a session record: it holds the only copy of a conversation's tokens)."""
+    if report.repair:
+        return int(report.sessions_broken)
+    return int(report.missing + report.wrong_size + report.corrupt + report.sessions_broken)
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -97,6 +126,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     grace = parse_duration(args.grace)
     max_bytes = None if args.max_bytes is None else parse_size(args.max_bytes)
     settle = None if args.settle is None else parse_duration(args.settle)
+    announce(args, backend_config(args))
     show = not args.json and sys.stderr.isatty()
     with (
         open_backend_store(args) as store,
@@ -112,7 +142,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             progress=_RichProgress(progress),
             settle_seconds=settle,
         )
-        urls = {"store": store.url, "index": index.url}
+        urls = {"store": store.url, "index": index.url, "sources": backend_sources(args)}
     if args.json:
         emit_json({**urls, **report.to_dict()})
         return 0
@@ -158,7 +188,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     ver = sub.add_parser(
         "verify",
-        help="check every entry and session record against the store (exit 1 on problems)",
+        help="check every entry and session record against the store (exit 1 on problems "
+        "left, 0 when clean or all repaired)",
     )
     add_backend_args(ver)
     ver.add_argument(
