@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,22 @@ from tests.rclone import RcloneS3, start_rclone_s3
 from tests.s3_servers import S3_SERVERS, S3Server
 from tests.servers import MotoServer, RedisServer, s3_env, start_moto, start_redis
 from tests.swift import SwiftS3, start_swift_s3
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_restored() -> Iterator[None]:
+    """A command run in-process (``kvcloud-worker serve`` configures logging before it
+    listens) may leave a handler on the root logger bound to that test's captured stderr,
+    which pytest closes: every later log record would then fail to print ("--- Logging
+    error ---" in some other test's output). Each test gets the root logger as it was."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        if handler not in handlers:
+            root.removeHandler(handler)
+    root.setLevel(level)
+
 
 # Tests never touch real AWS credentials or the developer's config.
 for _k, _v in s3_env("").items():

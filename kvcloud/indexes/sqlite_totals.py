@@ -96,6 +96,9 @@ def ensure_totals(conn: sqlite3.Connection) -> bool:
                 "FROM entries GROUP BY ns"
             )
             conn.execute("INSERT INTO session_totals SELECT 0, COUNT(*) FROM sessions")
+            (existing,) = conn.execute("SELECT COALESCE(SUM(entries), 0) FROM entry_totals")
+        else:
+            existing = (0,)
         conn.execute("COMMIT")
     except sqlite3.OperationalError as exc:
         if conn.in_transaction:
@@ -107,7 +110,10 @@ def ensure_totals(conn: sqlite3.Connection) -> bool:
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
-    log.info("sqlite index: bookkeeping of entries and sessions set up")
+    # said once per database that already held entries (one from an earlier release); a
+    # new database's is part of its schema, not news
+    if existing[0]:
+        log.info("sqlite index: bookkeeping set up for its %d entries", existing[0])
     return True
 
 

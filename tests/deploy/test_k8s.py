@@ -318,9 +318,15 @@ def test_doctor_and_the_tools_reach_the_vllms_store_and_index(target: str) -> No
     vllm_env = env_of(target, docs, kube.container(spec, VLLM_CONTAINER))
     doctor = kube.container(spec, DOCTOR_CONTAINER)
     # the gate checks exactly what vLLM will use, and fails the pod when it is unreachable
-    assert doctor in spec["initContainers"] and doctor["command"] == ["kvcloud", "doctor"]
+    assert doctor in spec["initContainers"] and doctor["command"] == ["kvcloud"]
     assert doctor["image"].startswith("kvcloud/tools:")
     doctor_env = env_of(target, docs, doctor)
+    vllm_argv = kube.arguments(kube.container(spec, VLLM_CONTAINER), vllm_env)
+    assert kube.arguments(doctor, doctor_env) == [
+        "doctor",
+        "--vllm-config",
+        kube.flag(vllm_argv, "--kv-transfer-config"),
+    ]
     for name in (*STORE_INDEX_ENV, "KVCLOUD_SECRET"):
         assert doctor_env.get(name) == vllm_env.get(name), f"doctor's {name} differs from vLLM's"
     kvcloud_doctor = {k: v for k, v in doctor_env.items() if k.startswith("KVCLOUD_")}

@@ -135,7 +135,14 @@ def test_values_environment_reaches_the_store_and_index(model: dict[str, Any]) -
     secrets = {secret: kube.documented_secrets("base")["kvcloud-secrets"]}
     known = kube.kvcloud_variables()
     init = model["initContainer"]
-    assert init["command"] == ["kvcloud", "doctor"] and init["image"].startswith("kvcloud/tools:")
+    assert init["image"].startswith("kvcloud/tools:")
+    # the gate checks exactly what vLLM will use: its --kv-transfer-config
+    assert init["command"] == [
+        "kvcloud",
+        "doctor",
+        "--vllm-config",
+        kube.flag(kube.chart_vllm_args(model), "--kv-transfer-config"),
+    ]
     envs = {}
     for name, env in (("vllm", model["env"]), ("doctor", init["env"])):
         c = {"name": name, "envFrom": [{"secretRef": {"name": secret}}], "env": env}

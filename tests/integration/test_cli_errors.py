@@ -209,7 +209,7 @@ def test_every_command_fails_in_one_clear_line(
         lines = err.strip().splitlines()
         text = lines[-1]
         assert text.startswith(f"kvcloud {argv[0]}: error: "), err
-        assert "Traceback" not in err
+        assert "Traceback" not in err, err
         if "--json" in argv or "--prometheus" in argv:
             assert out == "", "nothing half-written on stdout for scripts"
     low = text.lower()

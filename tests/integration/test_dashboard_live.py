@@ -21,11 +21,11 @@ import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from kvcloud.indexes import SQLiteIndex
+from tests.prometheus import Prometheus, get_json
 from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,23 +74,6 @@ def _targets() -> list[tuple[str, str]]:
         for target in panel.get("targets", []):
             out.append((panel["title"], target["expr"]))
     return out
-
-
-def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read())
-
-
-def _wait(pred: Any, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if pred():
-                return
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def test_every_dashboard_panel_has_data_and_moves_during_the_demo(tmp_path: Path) -> None:
@@ -152,10 +135,10 @@ def test_every_dashboard_panel_has_data_and_moves_during_the_demo(tmp_path: Path
             [*KVCLOUD, "stats", "--serve", str(exporter_port), "--interval", "0.5"],
         )
         api = f"http://127.0.0.1:{prom_port}/api/v1"
-        _wait(
+        Prometheus.wait(
             lambda: any(
                 t["health"] == "up"
-                for t in _get(f"{api}/targets")["data"]["activeTargets"]
+                for t in get_json(f"{api}/targets")["data"]["activeTargets"]
                 if t["labels"]["job"] == "kvcloud-stats"
             ),
             "Prometheus to scrape the exporter",
@@ -180,7 +163,7 @@ def test_every_dashboard_panel_has_data_and_moves_during_the_demo(tmp_path: Path
             params = urllib.parse.urlencode(
                 {"query": q, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": "1"}
             )
-            body = _get(f"{api}/query_range?{params}")
+            body = get_json(f"{api}/query_range?{params}")
             assert body["status"] == "success", (title, expr, body)
             values = [
                 float(v)

@@ -14,6 +14,7 @@ from typing import Any
 
 from ...config import KVCloudConfig
 from ...errors import ConfigError
+from ...indexes import open_index
 from ...indexes.base import Index
 from ...probe import require_index, require_store
 from ...stores.base import ObjectStore
@@ -105,13 +106,23 @@ def _require(args: argparse.Namespace, role: str, check: Callable[[str], None], 
         raise
 
 
-def open_backend_index(args: argparse.Namespace, *, create: bool = False) -> Index:
+def open_backend_index(
+    args: argparse.Namespace, *, create: bool = False, no_touch: bool = False
+) -> Index:
     """The configured index. Commands read an existing one: a ``sqlite://`` path that does
-    not exist is an error ("no index at …"), never a new empty index."""
+    not exist is an error ("no index at …"), never a new empty index. ``no_touch``: a Redis
+    index's reads leave the keys' LRU/LFU clocks as they were (a ``no_touch`` option in the
+    URL still wins)."""
     cfg = backend_config(args)
     if not create:
         _require(args, "index", require_index, cfg.index)
-    return cfg.open_index()
+    return open_index(
+        cfg.index,
+        ttl_seconds=cfg.ttl_seconds,
+        connect_timeout=cfg.connect_timeout,
+        read_timeout=cfg.read_timeout,
+        no_touch=no_touch,
+    )
 
 
 def open_backend_store(args: argparse.Namespace, *, create: bool = False) -> ObjectStore:

@@ -21,7 +21,6 @@ from rich.table import Table
 
 from ...errors import KVCloudError
 from ...indexes.base import Index
-from ...urls import split_url
 from ..exporter import (
     DEFAULT_PORT,
     StatsExporter,
@@ -53,14 +52,9 @@ def _progress(enabled: bool) -> Progress:
 
 
 def _open_stats_index(args: argparse.Namespace) -> Index:
-    """The configured index, with a Redis index's reads under CLIENT NO-TOUCH (``no_touch=on``
-    unless the URL says otherwise): stats must not make what they read look used."""
-    url = backend_config(args).index
-    scheme, _, _, options = split_url(url)
-    if scheme.startswith("redis") and "no_touch" not in options:
-        url += ("&" if "?" in url else "?") + "no_touch=on"
-        args = argparse.Namespace(**{**vars(args), "index": url})
-    return open_backend_index(args)
+    """The configured index, with a Redis index's reads under CLIENT NO-TOUCH: stats must
+    not make what they read look used."""
+    return open_backend_index(args, no_touch=True)
 
 
 def list_store(args: argparse.Namespace, show: bool = False) -> dict[str, Any]:
